@@ -1,0 +1,53 @@
+# kvferry build and test entry points. `make test` runs everything CI runs.
+GO      ?= go
+PREFIX  ?= /usr/local
+BIN     := bin
+FUZZTIME ?= 5s
+export CGO_ENABLED := 1
+
+.PHONY: all build deps test test-go test-race vet fmt-check fuzz-short bench run clean
+
+all: build
+
+deps:
+	@scripts/deps.sh
+
+build: deps
+	$(GO) build ./...
+	$(GO) build -o $(BIN)/kvferry-bench ./cmd/kvferry-bench
+
+# The README's main job: a loopback transfer with integrity check and throughput.
+run: build
+	$(BIN)/kvferry-bench --mode loopback --op write --block-size 1048576 --threads 4 --duration 5
+	$(BIN)/kvferry-bench --mode loopback --op read --block-size 1048576 --threads 4 --duration 5
+
+test: deps fmt-check vet test-go test-race fuzz-short
+	@echo "make test: all passed"
+
+fmt-check:
+	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
+	if [ -n "$$out" ]; then echo "gofmt would change: $$out"; exit 1; fi
+
+vet:
+	$(GO) vet ./...
+
+test-go:
+	$(GO) test -count=1 -timeout 15m ./...
+
+test-race:
+	$(GO) test -race -short -count=1 -timeout 15m ./...
+
+# Each fuzz target for FUZZTIME, from its committed seed corpus.
+fuzz-short:
+	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeEnvelope$$' -fuzztime=$(FUZZTIME)
+	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeDescriptor$$' -fuzztime=$(FUZZTIME)
+	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzUnpackBody$$' -fuzztime=$(FUZZTIME)
+	$(GO) test ./engine/transport/tcp -run='^$$' -fuzz='^FuzzHeaderDecode$$' -fuzztime=$(FUZZTIME)
+
+# Throughput against the raw-tcp baseline of the same run, and Go benchmarks.
+bench: build
+	scripts/bench.sh
+	$(GO) test -run='^$$' -bench=. -benchtime=2s ./engine/...
+
+clean:
+	rm -rf $(BIN)

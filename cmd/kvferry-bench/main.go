@@ -1,0 +1,430 @@
+// Command kvferry-bench measures kvferry transfers, in the manner of
+// Mooncake's transfer_engine_bench.
+//
+//	kvferry-bench --mode loopback --op write --block-size 65536 --threads 4 --duration 10
+//
+// Modes: target (serve a buffer and wait), initiator (move data to or from a
+// target named by --segment), loopback (both in one process, TCP on
+// 127.0.0.1: the README's main job) and raw-tcp (plain loopback TCP with the
+// same stream count and block size: the baseline to compare with). Data
+// integrity is verified outside the timed loop; a mismatch exits 1.
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/signal"
+	"runtime/pprof"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/kvferry/kvferry/engine"
+)
+
+type config struct {
+	mode, op, segment, host          string
+	blockSize, batchSize, threads    int
+	bufferSize, sliceSize, pathCount int
+	duration                         float64
+	seed                             uint64
+}
+
+func main() {
+	var c config
+	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp")
+	flag.StringVar(&c.op, "op", "write", "write | read")
+	flag.StringVar(&c.segment, "segment", "", "the target's segment name host:port (initiator mode)")
+	flag.StringVar(&c.host, "host", "127.0.0.1", "address to listen on")
+	flag.IntVar(&c.blockSize, "block-size", 64<<10, "bytes per request")
+	flag.IntVar(&c.batchSize, "batch-size", 16, "requests per batch")
+	flag.IntVar(&c.threads, "threads", 4, "submitting threads; also the connection (stream) count")
+	flag.Float64Var(&c.duration, "duration", 5, "seconds of timed transfers")
+	flag.IntVar(&c.bufferSize, "buffer-size", 256<<20, "bytes registered on each side")
+	flag.IntVar(&c.sliceSize, "slice-size", 0, "engine slice size (0: engine default)")
+	flag.IntVar(&c.pathCount, "paths", 0, "connections per peer (0: --threads)")
+	flag.Uint64Var(&c.seed, "seed", 1, "data pattern seed (target and initiator must agree)")
+	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile to this file")
+	flag.Parse()
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err == nil {
+			err = pprof.StartCPUProfile(f)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "kvferry-bench:", err)
+			os.Exit(2)
+		}
+		defer pprof.StopCPUProfile()
+	}
+	if c.pathCount == 0 {
+		c.pathCount = c.threads
+	}
+	if err := c.check(); err != nil {
+		fmt.Fprintln(os.Stderr, "kvferry-bench:", err)
+		os.Exit(2)
+	}
+	var err error
+	switch c.mode {
+	case "target":
+		err = runTarget(c)
+	case "initiator":
+		err = runInitiator(c, nil)
+	case "loopback":
+		err = runLoopback(c)
+	case "raw-tcp":
+		err = runRawTCP(c)
+	}
+	if err != nil {
+		pprof.StopCPUProfile()
+		fmt.Fprintln(os.Stderr, "kvferry-bench:", err)
+		if errors.Is(err, errMismatch) {
+			os.Exit(1)
+		}
+		os.Exit(3)
+	}
+}
+
+func (c *config) check() error {
+	switch c.mode {
+	case "target", "initiator", "loopback", "raw-tcp":
+	default:
+		return fmt.Errorf("--mode %q: want target, initiator, loopback or raw-tcp", c.mode)
+	}
+	if c.op != "write" && c.op != "read" {
+		return fmt.Errorf("--op %q: want write or read", c.op)
+	}
+	if c.mode == "initiator" && c.segment == "" {
+		return errors.New("--mode initiator needs --segment host:port")
+	}
+	if c.blockSize <= 0 || c.batchSize <= 0 || c.threads <= 0 || c.duration <= 0 {
+		return errors.New("--block-size, --batch-size, --threads and --duration must be positive")
+	}
+	if c.bufferSize < c.threads*c.blockSize {
+		return fmt.Errorf("--buffer-size %d is smaller than --threads x --block-size", c.bufferSize)
+	}
+	return nil
+}
+
+func (c *config) engineOptions() engine.Options {
+	return engine.Options{Host: c.host, SliceSize: c.sliceSize, PathsPerPeer: c.pathCount}
+}
+
+// fill writes the pattern of seed into b, as it would stand at offset off of
+// the whole buffer, so any slice of it can be checked independently.
+func fill(b []byte, off int, seed uint64) {
+	for i := 0; i+8 <= len(b); i += 8 {
+		binary.LittleEndian.PutUint64(b[i:], mix(uint64(off+i)^seed))
+	}
+	for i := len(b) &^ 7; i < len(b); i++ {
+		b[i] = byte(mix(uint64(off+i) ^ seed))
+	}
+}
+
+func mix(x uint64) uint64 { // splitmix64
+	x += 0x9e3779b97f4a7c15
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9
+	x = (x ^ (x >> 27)) * 0x94d049bb133111eb
+	return x ^ (x >> 31)
+}
+
+var errMismatch = errors.New("data mismatch")
+
+// verify compares b with the pattern and names the first bad byte.
+func verify(b []byte, seed uint64) error {
+	want := make([]byte, 1<<20)
+	for off := 0; off < len(b); off += len(want) {
+		n := min(len(want), len(b)-off)
+		fill(want[:n], off, seed)
+		for i := 0; i < n; i++ {
+			if b[off+i] != want[i] {
+				return fmt.Errorf("%w at byte %d: got %#x, want %#x", errMismatch, off+i, b[off+i], want[i])
+			}
+		}
+	}
+	return nil
+}
+
+func runTarget(c config) error {
+	e, err := engine.New(c.engineOptions())
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	buf, err := e.AllocBuffer(c.bufferSize, "*")
+	if err != nil {
+		return err
+	}
+	fill(buf, 0, c.seed) // what READs from initiators expect
+	fmt.Printf("target ready: segment=%s buffer=%#x size=%d\n", e.Name(), engine.AddrOf(buf), len(buf))
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
+	<-sig
+	return nil
+}
+
+func runLoopback(c config) error {
+	target, err := engine.New(c.engineOptions())
+	if err != nil {
+		return err
+	}
+	defer target.Close()
+	buf, err := target.AllocBuffer(c.bufferSize, "*")
+	if err != nil {
+		return err
+	}
+	fill(buf, 0, c.seed)
+	c.segment = target.Name()
+	return runInitiator(c, buf)
+}
+
+type result struct {
+	bytes, transfers uint64
+	latencies        []time.Duration
+}
+
+// runInitiator runs the timed loop against c.segment. In loopback mode
+// targetBuf is the target's buffer, checked directly as well.
+func runInitiator(c config, targetBuf []byte) error {
+	e, err := engine.New(c.engineOptions())
+	if err != nil {
+		return err
+	}
+	defer e.Close()
+	local, err := e.AllocBuffer(c.bufferSize, "*")
+	if err != nil {
+		return err
+	}
+	ctx := context.Background()
+	seg, err := e.OpenSegment(ctx, c.segment)
+	if err != nil {
+		return err
+	}
+	bufs := seg.Descriptor().Buffers
+	if len(bufs) == 0 {
+		return fmt.Errorf("segment %s registered no buffer", c.segment)
+	}
+	remote := bufs[0]
+	size := min(uint64(c.bufferSize), remote.Len)
+	op := engine.Write
+	if c.op == "read" {
+		op = engine.Read
+		clear(local)
+	} else {
+		fill(local, 0, c.seed^0x5a5a)
+	}
+	per := size / uint64(c.threads) / uint64(c.blockSize) * uint64(c.blockSize)
+	if per == 0 {
+		return fmt.Errorf("buffer of %d bytes holds no block per thread", size)
+	}
+	fmt.Printf("kvferry-bench: mode=%s op=%s segment=%s block=%d batch=%d threads=%d paths=%d duration=%gs\n",
+		c.mode, c.op, c.segment, c.blockSize, c.batchSize, c.threads, c.pathCount, c.duration)
+
+	var total atomic.Uint64
+	stop := time.Now().Add(time.Duration(c.duration * float64(time.Second)))
+	results := make([]result, c.threads)
+	errs := make([]error, c.threads)
+	var wg sync.WaitGroup
+	start := time.Now()
+	done := make(chan struct{})
+	go progress(c, &total, start, done)
+	for th := 0; th < c.threads; th++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			base := uint64(th) * per
+			reqs := make([]engine.Request, c.batchSize)
+			off := uint64(0)
+			r := &results[th]
+			for time.Now().Before(stop) {
+				for i := range reqs {
+					if off+uint64(c.blockSize) > per {
+						off = 0
+					}
+					reqs[i] = engine.Request{Op: op, Local: engine.AddrOf(local) + base + off, Segment: seg,
+						Remote: remote.Addr + base + off, Length: uint64(c.blockSize)}
+					off += uint64(c.blockSize)
+				}
+				t0 := time.Now()
+				if _, err := e.Transfer(ctx, reqs); err != nil {
+					errs[th] = err
+					return
+				}
+				r.latencies = append(r.latencies, time.Since(t0))
+				n := uint64(c.batchSize * c.blockSize)
+				r.bytes += n
+				r.transfers += uint64(c.batchSize)
+				total.Add(n)
+			}
+		}()
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	close(done)
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	var all result
+	for _, r := range results {
+		all.bytes += r.bytes
+		all.transfers += r.transfers
+		all.latencies = append(all.latencies, r.latencies...)
+	}
+	sort.Slice(all.latencies, func(i, j int) bool { return all.latencies[i] < all.latencies[j] })
+	pct := func(p float64) time.Duration {
+		if len(all.latencies) == 0 {
+			return 0
+		}
+		return all.latencies[min(len(all.latencies)-1, int(p*float64(len(all.latencies))))]
+	}
+	gbps := float64(all.bytes) / elapsed.Seconds() / 1e9
+	fmt.Printf("RESULT mode=%s op=%s block=%d batch=%d threads=%d gbps=%.3f transfers_per_s=%.0f p50_batch_us=%d p99_batch_us=%d bytes=%d seconds=%.2f\n",
+		c.mode, c.op, c.blockSize, c.batchSize, c.threads, gbps, float64(all.transfers)/elapsed.Seconds(),
+		pct(0.50).Microseconds(), pct(0.99).Microseconds(), all.bytes, elapsed.Seconds())
+
+	// Integrity, outside the timed loop: the region the threads used must
+	// hold the pattern its source holds.
+	used := per * uint64(c.threads)
+	if op == engine.Write {
+		back, err := e.AllocBuffer(int(used), "*")
+		if err != nil {
+			return err
+		}
+		if err := moveAll(ctx, e, seg, engine.Read, engine.AddrOf(back), remote.Addr, used); err != nil {
+			return fmt.Errorf("read back for verification: %w", err)
+		}
+		if err := verify(back, c.seed^0x5a5a); err != nil {
+			return fmt.Errorf("written data read back: %w", err)
+		}
+		if targetBuf != nil {
+			if err := verify(targetBuf[:used], c.seed^0x5a5a); err != nil {
+				return fmt.Errorf("target buffer: %w", err)
+			}
+		}
+	} else if err := verify(local[:used], c.seed); err != nil {
+		return fmt.Errorf("data read: %w", err)
+	}
+	fmt.Printf("integrity: ok (%d bytes checked)\n", used)
+	return nil
+}
+
+// moveAll moves n bytes in 4 MiB requests.
+func moveAll(ctx context.Context, e *engine.Engine, seg *engine.Segment, op engine.Op, local, remote, n uint64) error {
+	var reqs []engine.Request
+	for off := uint64(0); off < n; off += 4 << 20 {
+		reqs = append(reqs, engine.Request{Op: op, Local: local + off, Segment: seg, Remote: remote + off, Length: min(4<<20, n-off)})
+	}
+	_, err := e.Transfer(ctx, reqs)
+	return err
+}
+
+// progress prints throughput every 5 seconds on runs of 10 seconds or more.
+func progress(c config, total *atomic.Uint64, start time.Time, done chan struct{}) {
+	if c.duration < 10 {
+		return
+	}
+	tick := time.NewTicker(5 * time.Second)
+	defer tick.Stop()
+	last, lastT := uint64(0), start
+	for {
+		select {
+		case <-done:
+			return
+		case now := <-tick.C:
+			cur := total.Load()
+			fmt.Fprintf(os.Stderr, "progress: %.0fs %.3f GB/s\n", now.Sub(start).Seconds(), float64(cur-last)/now.Sub(lastT).Seconds()/1e9)
+			last, lastT = cur, now
+		}
+	}
+}
+
+// streamBuffer is the memory one raw-tcp stream cycles through on each side:
+// the engine's per-thread share of --buffer-size.
+func streamBuffer(c config) int {
+	return max(c.bufferSize/c.threads/c.blockSize, 1) * c.blockSize
+}
+
+// runRawTCP measures plain loopback TCP: --threads streams, each writing
+// --block-size writes while a reader reads them into a buffer.
+func runRawTCP(c config) error {
+	ln, err := net.Listen("tcp", net.JoinHostPort(c.host, "0"))
+	if err != nil {
+		return err
+	}
+	defer ln.Close()
+	var got atomic.Uint64
+	var rwg sync.WaitGroup
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			rwg.Add(1)
+			go func() {
+				defer rwg.Done()
+				defer conn.Close()
+				// Like the engine, land blocks at successive offsets of a
+				// buffer as large as --buffer-size / --threads, so both
+				// sides touch the same amount of memory.
+				buf := make([]byte, streamBuffer(c))
+				fill(buf, 0, 0) // fault the pages in before the clock runs
+				for off := 0; ; off += c.blockSize {
+					if off+c.blockSize > len(buf) {
+						off = 0
+					}
+					n, err := io.ReadFull(conn, buf[off:off+c.blockSize])
+					got.Add(uint64(n))
+					if err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	fmt.Printf("kvferry-bench: mode=raw-tcp block=%d threads=%d duration=%gs\n", c.blockSize, c.threads, c.duration)
+	stop := time.Now().Add(time.Duration(c.duration * float64(time.Second)))
+	var wg sync.WaitGroup
+	start := time.Now()
+	errs := make([]error, c.threads)
+	for th := 0; th < c.threads; th++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			conn, err := net.Dial("tcp", ln.Addr().String())
+			if err != nil {
+				errs[th] = err
+				return
+			}
+			defer conn.Close()
+			buf := make([]byte, streamBuffer(c))
+			fill(buf, 0, c.seed)
+			for off := 0; time.Now().Before(stop); off += c.blockSize {
+				if off+c.blockSize > len(buf) {
+					off = 0
+				}
+				if _, err := conn.Write(buf[off : off+c.blockSize]); err != nil {
+					errs[th] = err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	rwg.Wait()
+	fmt.Printf("RESULT mode=raw-tcp op=write block=%d threads=%d gbps=%.3f bytes=%d seconds=%.2f\n",
+		c.blockSize, c.threads, float64(got.Load())/elapsed.Seconds()/1e9, got.Load(), elapsed.Seconds())
+	return nil
+}

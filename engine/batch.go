@@ -1,0 +1,521 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/kvferry/kvferry/engine/transport"
+)
+
+// TaskStatus is the state of one request of a batch.
+type TaskStatus int32
+
+// Task states. WAITING and PENDING are in flight; the others are final.
+const (
+	Waiting   TaskStatus = 0 // accepted, not yet posted
+	Pending   TaskStatus = 1 // slices posted, not all ended
+	Completed TaskStatus = 2 // every byte landed (a WRITE was applied by the owner)
+	Failed    TaskStatus = 3 // see TaskResult.Err
+	Timeout   TaskStatus = 4 // the deadline passed; the engine no longer touches its memory
+	Canceled  TaskStatus = 5 // canceled by the caller or Close; likewise
+	Aborted   TaskStatus = 6 // the owner aborted its request id
+)
+
+func (s TaskStatus) String() string {
+	switch s {
+	case Waiting:
+		return "WAITING"
+	case Pending:
+		return "PENDING"
+	case Completed:
+		return "COMPLETED"
+	case Failed:
+		return "FAILED"
+	case Timeout:
+		return "TIMEOUT"
+	case Canceled:
+		return "CANCELED"
+	case Aborted:
+		return "ABORTED"
+	}
+	return fmt.Sprintf("TaskStatus(%d)", int32(s))
+}
+
+// Final reports whether the status is final.
+func (s TaskStatus) Final() bool { return s >= Completed }
+
+// Request is one transfer: Length bytes between our registered memory at
+// Local and the segment's registered memory at Remote.
+type Request struct {
+	Op        Op
+	Local     uint64 // address in our registered memory
+	Segment   *Segment
+	Remote    uint64 // address in the segment's registered memory
+	Length    uint64
+	RequestID uint64 // the application's request id (0: none); aborts act on it
+}
+
+// TaskResult is the outcome of one request.
+type TaskResult struct {
+	Status      TaskStatus
+	Transferred uint64 // bytes confirmed moved; a lower bound for failed tasks
+	Err         error  // why it did not complete; nil when COMPLETED
+}
+
+// Batch is a set of requests submitted together and waited on together.
+// Its methods are safe for concurrent use.
+type Batch struct {
+	e        *Engine
+	capacity int
+
+	mu      sync.Mutex
+	tasks   []*task
+	freed   bool
+	running int           // tasks not final
+	idle    chan struct{} // closed while running == 0
+}
+
+type task struct {
+	b           *Batch
+	req         Request
+	status      atomic.Int32
+	final       atomic.Int32 // status a cancel imposes, 0 if none
+	remaining   atomic.Int32 // slices not ended
+	transferred atomic.Uint64
+	errMu       sync.Mutex
+	err         error
+	slices      []sliceT
+}
+
+// sliceT is the engine's view of one slice.
+type sliceT struct {
+	transport.Slice
+	t        *task
+	attempts int
+	hint     uint32
+	path     atomic.Pointer[pathRef]
+}
+
+// AllocateBatch returns a batch for up to capacity requests.
+func (e *Engine) AllocateBatch(capacity int) (*Batch, error) {
+	if err := e.checkOpen(); err != nil {
+		return nil, err
+	}
+	if capacity <= 0 {
+		return nil, fmt.Errorf("allocate batch: %w: capacity %d", ErrInvalidArg, capacity)
+	}
+	b := &Batch{e: e, capacity: capacity, idle: make(chan struct{})}
+	close(b.idle)
+	e.liveMu.Lock()
+	e.live[b] = struct{}{}
+	e.liveMu.Unlock()
+	return b, nil
+}
+
+// Len returns the number of requests submitted so far.
+func (b *Batch) Len() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return len(b.tasks)
+}
+
+// Submit checks every request, then starts them all; when any request is
+// invalid (bad op, zero length, memory not registered here or at the
+// segment) none starts and the error names the request. Task i of the batch
+// is the i-th request ever submitted to it.
+func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
+	e := b.e
+	if err := e.checkOpen(); err != nil {
+		return err
+	}
+	if len(reqs) == 0 {
+		return fmt.Errorf("submit: %w: no requests", ErrInvalidArg)
+	}
+	b.mu.Lock()
+	switch {
+	case b.freed:
+		b.mu.Unlock()
+		return ErrBatchFreed
+	case len(b.tasks)+len(reqs) > b.capacity:
+		n := len(b.tasks)
+		b.mu.Unlock()
+		return fmt.Errorf("submit %d requests to a batch holding %d of %d: %w", len(reqs), n, b.capacity, ErrBatchFull)
+	}
+	b.mu.Unlock()
+
+	tasks, err := b.plan(ctx, reqs)
+	if err != nil {
+		return err
+	}
+	b.mu.Lock()
+	if b.freed || len(b.tasks)+len(tasks) > b.capacity {
+		b.mu.Unlock()
+		return fmt.Errorf("submit: %w", ErrBatchFull) // a concurrent submit filled it
+	}
+	if b.running == 0 {
+		b.idle = make(chan struct{})
+	}
+	b.running += len(tasks)
+	b.tasks = append(b.tasks, tasks...)
+	b.mu.Unlock()
+	e.stats.tasksInFlight.Add(int64(len(tasks)))
+	b.post(ctx, tasks)
+	return nil
+}
+
+// plan validates the requests and cuts them into slices.
+func (b *Batch) plan(ctx context.Context, reqs []Request) ([]*task, error) {
+	e := b.e
+	slice := uint64(e.opts.SliceSize)
+	nslices := 0
+	for i := range reqs {
+		r := &reqs[i]
+		if r.Op != Read && r.Op != Write {
+			return nil, fmt.Errorf("request %d: %w: op %d", i, ErrInvalidArg, r.Op)
+		}
+		if r.Length == 0 || r.Local+r.Length < r.Local || r.Remote+r.Length < r.Remote {
+			return nil, fmt.Errorf("request %d: %w: length %d at local %#x, remote %#x", i, ErrInvalidArg, r.Length, r.Local, r.Remote)
+		}
+		if r.Segment == nil || r.Segment.e != e {
+			return nil, fmt.Errorf("request %d: %w: segment is not open on this engine", i, ErrInvalidArg)
+		}
+		nslices += int((r.Length + slice - 1) / slice)
+	}
+	tasks := make([]task, len(reqs))
+	slab := make([]sliceT, nslices)
+	out := make([]*task, len(reqs))
+	refreshed := map[*Segment]bool{}
+	for i := range reqs {
+		r := reqs[i]
+		t := &tasks[i]
+		t.b, t.req = b, r
+		out[i] = t
+		lreg, err := e.reg.Find(r.Local, r.Length)
+		if err != nil {
+			return nil, fmt.Errorf("request %d: local memory: %w", i, err)
+		}
+		var key BufferKey
+		if r.Segment.self {
+			reg, err := e.reg.Find(r.Remote, r.Length)
+			if err != nil {
+				return nil, fmt.Errorf("request %d: remote memory at %s: %w", i, r.Segment.name, err)
+			}
+			key = reg.Key
+		} else {
+			done := refreshed[r.Segment]
+			key, err = r.Segment.resolve(ctx, r.Remote, r.Length, &done)
+			refreshed[r.Segment] = done
+			if err != nil {
+				return nil, fmt.Errorf("request %d: %w", i, err)
+			}
+		}
+		n := int((r.Length + slice - 1) / slice)
+		t.slices, slab = slab[:n:n], slab[n:]
+		t.remaining.Store(int32(n))
+		for j := range t.slices {
+			off := uint64(j) * slice
+			ln := min(slice, r.Length-off)
+			s := &t.slices[j]
+			s.t = t
+			s.Op, s.Key, s.Remote, s.RequestID = r.Op, key, r.Remote+off, r.RequestID
+			s.Local, s.LocalReg = lreg.Bytes(r.Local+off, ln), lreg
+			s.Done, s.Tag = sliceDone, s
+		}
+	}
+	return out, nil
+}
+
+// post spreads the slices over each segment's paths, one Post per path.
+func (b *Batch) post(ctx context.Context, tasks []*task) {
+	type group struct {
+		ref    *pathRef
+		err    error
+		slices []*transport.Slice
+	}
+	groups := map[*Segment][]group{}
+	for _, t := range tasks {
+		t.status.Store(int32(Pending))
+		seg := t.req.Segment
+		g := groups[seg]
+		if g == nil {
+			g = make([]group, len(seg.paths))
+			groups[seg] = g
+		}
+		for j := range t.slices {
+			s := &t.slices[j]
+			s.hint = seg.next.Add(1)
+			k := int(s.hint % uint32(len(g)))
+			g[k].slices = append(g[k].slices, &s.Slice)
+		}
+	}
+	for seg, g := range groups {
+		for k := range g {
+			if len(g[k].slices) == 0 {
+				continue
+			}
+			ref, err := seg.path(ctx, uint32(k))
+			for _, s := range g[k].slices {
+				if err != nil {
+					s.Finish(err)
+				} else {
+					s.Tag.(*sliceT).path.Store(ref)
+				}
+			}
+			if err == nil {
+				ref.ep.Post(g[k].slices)
+			}
+		}
+	}
+}
+
+// sliceDone is every slice's Done callback: it retries a slice that failed
+// on a broken path, unless its task was canceled meanwhile (a retry never
+// routes around a cancel or an abort), and otherwise counts it.
+func sliceDone(ts *transport.Slice, err error) {
+	s := ts.Tag.(*sliceT)
+	t := s.t
+	e := t.b.e
+	if err != nil && transport.Retryable(err) && t.final.Load() == 0 && s.attempts < e.opts.MaxRetries && !e.closing.Load() {
+		s.attempts++
+		e.stats.retries.Add(1)
+		ts.Reset() // Queued again: a cancel from here on takes it
+		go s.retry()
+		return
+	}
+	t.sliceEnded(s, err)
+}
+
+// retry posts the slice again on another path.
+func (s *sliceT) retry() {
+	t := s.t
+	if t.final.Load() != 0 {
+		if s.TryCancel() {
+			t.sliceEnded(s, transport.ErrCanceled)
+		}
+		return
+	}
+	seg := t.req.Segment
+	ctx, cancel := context.WithTimeout(context.Background(), pathTimeout)
+	defer cancel()
+	ref, err := seg.path(ctx, s.hint+uint32(s.attempts))
+	if err != nil {
+		s.Finish(err)
+		return
+	}
+	s.path.Store(ref)
+	ref.ep.Post([]*transport.Slice{&s.Slice})
+}
+
+func (t *task) sliceEnded(s *sliceT, err error) {
+	if err == nil {
+		t.transferred.Add(uint64(len(s.Local)))
+	} else {
+		t.errMu.Lock()
+		if t.err == nil {
+			t.err = err
+		}
+		t.errMu.Unlock()
+	}
+	if t.remaining.Add(-1) == 0 {
+		t.finish()
+	}
+}
+
+// finish runs once, when the last slice ended.
+func (t *task) finish() {
+	e := t.b.e
+	st := Completed
+	t.errMu.Lock()
+	if f := TaskStatus(t.final.Load()); f != 0 {
+		st = f
+		t.err = fmt.Errorf("%s %s of [%#x, +%d) at %s: %w", st, t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, cancelErr(st))
+	} else if t.err != nil {
+		st = Failed
+		t.err = fmt.Errorf("%s of [%#x, +%d) at %s: %w: %w", t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, ErrTransferFailed, t.err)
+	}
+	t.errMu.Unlock()
+	switch st {
+	case Completed:
+		e.stats.tasksCompleted.Add(1)
+		if t.req.Op == Write {
+			e.stats.bytesWritten.Add(t.req.Length)
+		} else {
+			e.stats.bytesRead.Add(t.req.Length)
+		}
+	case Canceled:
+		e.stats.tasksCanceled.Add(1)
+	default:
+		e.stats.tasksFailed.Add(1)
+	}
+	t.status.Store(int32(st))
+	e.stats.tasksInFlight.Add(-1)
+	b := t.b
+	b.mu.Lock()
+	b.running--
+	if b.running == 0 {
+		close(b.idle)
+	}
+	b.mu.Unlock()
+}
+
+func cancelErr(st TaskStatus) error {
+	if st == Timeout {
+		return ErrTimeout
+	}
+	return ErrCanceled
+}
+
+// cancel ends every task still in flight with status st. It returns once
+// none of their slices touches memory any more: queued and on-the-wire slices
+// are dropped, and paths copying a slice right now are cut (their other
+// slices are retried elsewhere).
+func (t *task) cancel(st TaskStatus, cut map[*pathRef]struct{}) {
+	if TaskStatus(t.status.Load()).Final() || !t.final.CompareAndSwap(0, int32(st)) {
+		return
+	}
+	for i := range t.slices {
+		s := &t.slices[i]
+		if s.TryCancel() {
+			t.sliceEnded(s, transport.ErrCanceled)
+			continue
+		}
+		if st := s.State(); st == transport.StateActive || st == transport.StateReceiving {
+			if ref := s.path.Load(); ref != nil {
+				cut[ref] = struct{}{}
+			}
+		}
+	}
+}
+
+// cancel cancels every task in flight and waits until they are final.
+func (b *Batch) cancel(st TaskStatus, reason error) {
+	b.mu.Lock()
+	tasks := append([]*task(nil), b.tasks...)
+	idle := b.idle
+	b.mu.Unlock()
+	cut := map[*pathRef]struct{}{}
+	for _, t := range tasks {
+		t.cancel(st, cut)
+	}
+	var wg sync.WaitGroup
+	for ref := range cut {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ref.ep.Abort(fmt.Errorf("%w: %w", transport.ErrCanceled, reason))
+		}()
+	}
+	wg.Wait()
+	<-idle
+}
+
+// Cancel ends every task still in flight as CANCELED and returns once the
+// engine no longer touches their memory.
+func (b *Batch) Cancel() { b.cancel(Canceled, ErrCanceled) }
+
+// Wait blocks until every submitted task is final or ctx ends; it returns
+// ctx's error in the latter case, with the tasks still running.
+func (b *Batch) Wait(ctx context.Context) error {
+	b.mu.Lock()
+	idle := b.idle
+	b.mu.Unlock()
+	select {
+	case <-idle:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Status returns the state of task i.
+func (b *Batch) Status(i int) (TaskResult, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if i < 0 || i >= len(b.tasks) {
+		return TaskResult{}, fmt.Errorf("task %d: %w: batch holds %d", i, ErrInvalidArg, len(b.tasks))
+	}
+	return b.tasks[i].result(), nil
+}
+
+// Results returns the state of every task, in submission order.
+func (b *Batch) Results() []TaskResult {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	out := make([]TaskResult, len(b.tasks))
+	for i, t := range b.tasks {
+		out[i] = t.result()
+	}
+	return out
+}
+
+func (t *task) result() TaskResult {
+	st := TaskStatus(t.status.Load())
+	r := TaskResult{Status: st, Transferred: t.transferred.Load()}
+	if st.Final() {
+		t.errMu.Lock()
+		r.Err = t.err
+		t.errMu.Unlock()
+	}
+	return r
+}
+
+// Free releases the batch. It is refused with ErrBatchBusy while tasks are
+// in flight: Wait or Cancel first.
+func (b *Batch) Free() error {
+	b.mu.Lock()
+	if b.freed {
+		b.mu.Unlock()
+		return ErrBatchFreed
+	}
+	if b.running > 0 {
+		n := b.running
+		b.mu.Unlock()
+		return fmt.Errorf("free batch: %w: %d of %d tasks", ErrBatchBusy, n, len(b.tasks))
+	}
+	b.freed = true
+	b.tasks = nil
+	b.mu.Unlock()
+	b.e.liveMu.Lock()
+	delete(b.e.live, b)
+	b.e.liveMu.Unlock()
+	return nil
+}
+
+// Transfer runs requests synchronously. It returns when every request is
+// final, or at ctx's deadline (DefaultTimeout when ctx has none): then the
+// remaining tasks end TIMEOUT (CANCELED if ctx was canceled), and Transfer
+// returns only after the engine stopped touching their memory, a bound of
+// one syscall or one memcpy chunk past the deadline. The error is nil when
+// every task completed; otherwise it is the first task's error.
+func (e *Engine) Transfer(ctx context.Context, reqs []Request) ([]TaskResult, error) {
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, e.opts.DefaultTimeout)
+		defer cancel()
+	}
+	b, err := e.AllocateBatch(max(len(reqs), 1))
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = b.Free() }()
+	if err := b.Submit(ctx, reqs); err != nil {
+		return nil, err
+	}
+	if werr := b.Wait(ctx); werr != nil {
+		st := Timeout
+		if errors.Is(werr, context.Canceled) {
+			st = Canceled
+		}
+		b.cancel(st, werr)
+	}
+	res := b.Results()
+	for i, r := range res {
+		if r.Status != Completed {
+			return res, fmt.Errorf("task %d: %w", i, r.Err)
+		}
+	}
+	return res, nil
+}

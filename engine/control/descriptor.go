@@ -1,0 +1,204 @@
+package control
+
+import (
+	"encoding/binary"
+	"fmt"
+	"sort"
+)
+
+// Descriptor is what a peer needs to reach a segment: its registered
+// buffers with their keys, its transports and their addresses, and the
+// protocol version. Peers fetch it from the segment's own control endpoint.
+type Descriptor struct {
+	Name       string          // the segment name, "host:port"
+	Version    uint16          // ProtocolVersion of the engine that built it
+	Epoch      uint64          // bumps on every change of the buffers
+	Transports []TransportAddr // how to reach the segment's data plane
+	Buffers    []Buffer        // sorted by Addr, non-overlapping
+}
+
+// TransportAddr names one transport of a segment and where it listens.
+type TransportAddr struct {
+	Name string // "tcp"
+	Addr string // "127.0.0.1:40123"
+}
+
+// Buffer is one registered range of a segment.
+type Buffer struct {
+	Addr     uint64
+	Len      uint64
+	Key      uint64
+	Location string
+}
+
+// Limits of a descriptor, checked before anything is allocated.
+const (
+	maxString     = 255
+	maxTransports = 16
+	maxBuffers    = 1 << 20
+	bufferMinSize = 8 + 8 + 8 + 1
+	descMagic     = 0x4453 // "SD"
+)
+
+// Find returns the buffer holding all of [addr, addr+n), by binary search.
+func (d *Descriptor) Find(addr, n uint64) (Buffer, bool) {
+	i := sort.Search(len(d.Buffers), func(i int) bool { return d.Buffers[i].Addr+d.Buffers[i].Len > addr })
+	if i == len(d.Buffers) {
+		return Buffer{}, false
+	}
+	b := d.Buffers[i]
+	if addr < b.Addr || n > b.Len || addr-b.Addr > b.Len-n {
+		return Buffer{}, false
+	}
+	return b, true
+}
+
+// Transport returns the address of the named transport.
+func (d *Descriptor) Transport(name string) (string, bool) {
+	for _, t := range d.Transports {
+		if t.Name == name {
+			return t.Addr, true
+		}
+	}
+	return "", false
+}
+
+// Encode serialises the descriptor.
+func (d *Descriptor) Encode() []byte {
+	n := 2 + 2 + 8 + 1 + len(d.Name) + 1 + 4
+	for _, t := range d.Transports {
+		n += 2 + len(t.Name) + len(t.Addr)
+	}
+	for _, b := range d.Buffers {
+		n += bufferMinSize + len(b.Location)
+	}
+	out := make([]byte, 0, n)
+	out = binary.LittleEndian.AppendUint16(out, descMagic)
+	out = binary.LittleEndian.AppendUint16(out, d.Version)
+	out = binary.LittleEndian.AppendUint64(out, d.Epoch)
+	out = appendString(out, d.Name)
+	out = append(out, uint8(len(d.Transports)))
+	for _, t := range d.Transports {
+		out = appendString(out, t.Name)
+		out = appendString(out, t.Addr)
+	}
+	out = binary.LittleEndian.AppendUint32(out, uint32(len(d.Buffers)))
+	for _, b := range d.Buffers {
+		out = binary.LittleEndian.AppendUint64(out, b.Addr)
+		out = binary.LittleEndian.AppendUint64(out, b.Len)
+		out = binary.LittleEndian.AppendUint64(out, b.Key)
+		out = appendString(out, b.Location)
+	}
+	return out
+}
+
+// appendString appends a length-prefixed string; longer strings are cut to
+// maxString bytes, which no valid name, address or location reaches.
+func appendString(out []byte, s string) []byte {
+	if len(s) > maxString {
+		s = s[:maxString]
+	}
+	out = append(out, uint8(len(s)))
+	return append(out, s...)
+}
+
+type reader struct {
+	b   []byte
+	err error
+}
+
+func (r *reader) take(n int) []byte {
+	if r.err != nil {
+		return nil
+	}
+	if n > len(r.b) {
+		r.err = fmt.Errorf("%w: descriptor truncated", ErrMalformed)
+		return nil
+	}
+	v := r.b[:n]
+	r.b = r.b[n:]
+	return v
+}
+
+func (r *reader) u8() uint8 {
+	if v := r.take(1); v != nil {
+		return v[0]
+	}
+	return 0
+}
+
+func (r *reader) u16() uint16 {
+	if v := r.take(2); v != nil {
+		return binary.LittleEndian.Uint16(v)
+	}
+	return 0
+}
+
+func (r *reader) u32() uint32 {
+	if v := r.take(4); v != nil {
+		return binary.LittleEndian.Uint32(v)
+	}
+	return 0
+}
+
+func (r *reader) u64() uint64 {
+	if v := r.take(8); v != nil {
+		return binary.LittleEndian.Uint64(v)
+	}
+	return 0
+}
+
+func (r *reader) str() string {
+	return string(r.take(int(r.u8())))
+}
+
+// DecodeDescriptor parses and validates a descriptor: counts are checked
+// against the bytes left before anything is allocated, buffers must be
+// non-empty, sorted, non-overlapping and not wrap.
+func DecodeDescriptor(b []byte) (*Descriptor, error) {
+	r := reader{b: b}
+	if m := r.u16(); r.err == nil && m != descMagic {
+		return nil, fmt.Errorf("%w: descriptor magic %#x", ErrMalformed, m)
+	}
+	d := &Descriptor{Version: r.u16(), Epoch: r.u64(), Name: r.str()}
+	if r.err == nil && d.Version != ProtocolVersion {
+		return nil, fmt.Errorf("%w: descriptor version %d, want %d", ErrMalformed, d.Version, ProtocolVersion)
+	}
+	nt := int(r.u8())
+	if nt > maxTransports {
+		return nil, fmt.Errorf("%w: %d transports", ErrMalformed, nt)
+	}
+	for i := 0; i < nt && r.err == nil; i++ {
+		d.Transports = append(d.Transports, TransportAddr{Name: r.str(), Addr: r.str()})
+	}
+	nb := int(r.u32())
+	if r.err == nil && (nb > maxBuffers || nb*bufferMinSize > len(r.b)) {
+		return nil, fmt.Errorf("%w: %d buffers in %d bytes", ErrMalformed, nb, len(r.b))
+	}
+	if r.err == nil {
+		d.Buffers = make([]Buffer, 0, nb)
+	}
+	for i := 0; i < nb && r.err == nil; i++ {
+		buf := Buffer{Addr: r.u64(), Len: r.u64(), Key: r.u64(), Location: r.str()}
+		if r.err != nil {
+			break
+		}
+		if buf.Len == 0 || buf.Addr+buf.Len < buf.Addr {
+			return nil, fmt.Errorf("%w: buffer %d [%#x, +%d) is empty or wraps", ErrMalformed, i, buf.Addr, buf.Len)
+		}
+		if i > 0 {
+			p := d.Buffers[i-1]
+			if buf.Addr < p.Addr+p.Len {
+				return nil, fmt.Errorf("%w: buffer %d at %#x overlaps or is out of order", ErrMalformed, i, buf.Addr)
+			}
+		}
+		d.Buffers = append(d.Buffers, buf)
+	}
+	if r.err != nil {
+		return nil, r.err
+	}
+	if len(r.b) != 0 {
+		return nil, fmt.Errorf("%w: %d trailing bytes after descriptor", ErrMalformed, len(r.b))
+	}
+	return d, nil
+}

@@ -1,0 +1,174 @@
+// Package control is the engine's control plane on ZMQ: each engine binds
+// one ROUTER socket whose "host:port" is its segment name, and talks to each
+// peer through one DEALER socket whose routing id is its own name. One
+// goroutine owns every socket; other goroutines hand it work through a queue
+// and wake it through an inproc socket, so there is no polling delay.
+//
+// Every message is an envelope frame, optionally followed by one body frame.
+// Both are validated and size-capped (ZMQ_MAXMSGSIZE) before anything is
+// allocated for them; a malformed message is logged, counted and dropped,
+// and never stops the loop.
+package control
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/klauspost/compress/zstd"
+)
+
+// Envelope layout (little endian, EnvelopeSize bytes):
+//
+//	0  u16 magic    "KC"
+//	2  u8  version  ProtocolVersion
+//	3  u8  type     a MsgType
+//	4  u8  flags    FlagZstd: the body is zstd-compressed
+//	5  u8  status   0, or an error code in replies
+//	6  u16 reserved, zero
+//	8  u64 correlation id, echoed in the reply
+const (
+	EnvelopeSize    = 16
+	envelopeMagic   = 0x434b // "KC"
+	ProtocolVersion = 1
+
+	// MaxBody caps a body frame on the wire and after decompression.
+	MaxBody = 16 << 20
+	// MaxFrames caps the frames of one message (identity, envelope, body).
+	MaxFrames = 3
+	// compressAbove is the body size past which bodies are compressed:
+	// below it zstd costs more time than the bytes it saves on loopback.
+	compressAbove = 64 << 10
+)
+
+// MsgType names a control message.
+type MsgType uint8
+
+// Message types. The abort issue adds ABORT, ABORT_ACK and NOTIFY here.
+const (
+	MsgGetDescriptor MsgType = 1 // -> Descriptor
+	MsgDescriptor    MsgType = 2
+	MsgPing          MsgType = 3 // -> Pong
+	MsgPong          MsgType = 4
+	MsgError         MsgType = 5 // a reply whose body is a UTF-8 reason
+	maxMsgType               = MsgError
+)
+
+func (t MsgType) String() string {
+	switch t {
+	case MsgGetDescriptor:
+		return "GET_DESCRIPTOR"
+	case MsgDescriptor:
+		return "DESCRIPTOR"
+	case MsgPing:
+		return "PING"
+	case MsgPong:
+		return "PONG"
+	case MsgError:
+		return "ERROR"
+	}
+	return fmt.Sprintf("MsgType(%d)", uint8(t))
+}
+
+// FlagZstd marks a compressed body.
+const FlagZstd = 1
+
+// Envelope is the decoded first frame of every message.
+type Envelope struct {
+	Type  MsgType
+	Flags uint8
+	Corr  uint64
+}
+
+// ErrMalformed marks a message that failed validation.
+var ErrMalformed = errors.New("malformed control message")
+
+// EncodeEnvelope returns the envelope frame.
+func EncodeEnvelope(e Envelope) []byte {
+	b := make([]byte, EnvelopeSize)
+	binary.LittleEndian.PutUint16(b[0:], envelopeMagic)
+	b[2] = ProtocolVersion
+	b[3] = uint8(e.Type)
+	b[4] = e.Flags
+	binary.LittleEndian.PutUint64(b[8:], e.Corr)
+	return b
+}
+
+// DecodeEnvelope parses and validates an envelope frame.
+func DecodeEnvelope(b []byte) (Envelope, error) {
+	var e Envelope
+	if len(b) != EnvelopeSize {
+		return e, fmt.Errorf("%w: envelope of %d bytes, want %d", ErrMalformed, len(b), EnvelopeSize)
+	}
+	if m := binary.LittleEndian.Uint16(b[0:]); m != envelopeMagic {
+		return e, fmt.Errorf("%w: magic %#x", ErrMalformed, m)
+	}
+	if v := b[2]; v != ProtocolVersion {
+		return e, fmt.Errorf("%w: protocol version %d, want %d", ErrMalformed, v, ProtocolVersion)
+	}
+	e.Type = MsgType(b[3])
+	if e.Type == 0 || e.Type > maxMsgType {
+		return e, fmt.Errorf("%w: type %d", ErrMalformed, b[3])
+	}
+	e.Flags = b[4]
+	if e.Flags&^FlagZstd != 0 {
+		return e, fmt.Errorf("%w: flags %#x", ErrMalformed, e.Flags)
+	}
+	e.Corr = binary.LittleEndian.Uint64(b[8:])
+	return e, nil
+}
+
+var (
+	zOnce sync.Once
+	zEnc  *zstd.Encoder
+	zDec  *zstd.Decoder
+)
+
+func codecs() (*zstd.Encoder, *zstd.Decoder) {
+	zOnce.Do(func() {
+		var err error
+		zEnc, err = zstd.NewWriter(nil, zstd.WithEncoderLevel(zstd.SpeedFastest), zstd.WithEncoderConcurrency(1))
+		if err != nil {
+			panic(err) // only on invalid options
+		}
+		zDec, err = zstd.NewReader(nil, zstd.WithDecoderMaxMemory(MaxBody), zstd.WithDecoderConcurrency(1),
+			zstd.WithDecoderMaxWindow(MaxBody))
+		if err != nil {
+			panic(err)
+		}
+	})
+	return zEnc, zDec
+}
+
+// PackBody compresses body when that pays and returns it with its flags.
+func PackBody(body []byte) ([]byte, uint8) {
+	if len(body) <= compressAbove {
+		return body, 0
+	}
+	enc, _ := codecs()
+	z := enc.EncodeAll(body, make([]byte, 0, len(body)/4))
+	if len(z) >= len(body) {
+		return body, 0
+	}
+	return z, FlagZstd
+}
+
+// UnpackBody undoes PackBody, refusing output beyond MaxBody.
+func UnpackBody(body []byte, flags uint8) ([]byte, error) {
+	if len(body) > MaxBody {
+		return nil, fmt.Errorf("%w: body of %d bytes", ErrMalformed, len(body))
+	}
+	if flags&FlagZstd == 0 {
+		return body, nil
+	}
+	_, dec := codecs()
+	out, err := dec.DecodeAll(body, nil)
+	if err != nil {
+		return nil, fmt.Errorf("%w: zstd body: %w", ErrMalformed, err)
+	}
+	if len(out) > MaxBody {
+		return nil, fmt.Errorf("%w: body inflates past %d bytes", ErrMalformed, MaxBody)
+	}
+	return out, nil
+}

@@ -1,0 +1,263 @@
+// Package engine is kvferry's native Go API: a KV-cache transfer engine in
+// the manner of Mooncake's Transfer Engine.
+//
+// An Engine owns registered memory, a control plane on ZMQ whose "host:port"
+// is the engine's segment name, and data-plane transports. Peers open each
+// other as segments (a P2P handshake: the descriptor is fetched from the
+// segment's own control endpoint, no metadata server) and move bytes with
+// batches of one-sided READ and WRITE requests between their own registered
+// memory and the peer's. Every request carries a request id, and every
+// synchronous call has a deadline: when it returns, the engine no longer
+// touches the memory it named (see SAFETY.md in the project's shared docs).
+//
+// A transfer to the engine's own name uses a local memcpy transport.
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/memory"
+	"github.com/kvferry/kvferry/engine/transport"
+	"github.com/kvferry/kvferry/engine/transport/local"
+	"github.com/kvferry/kvferry/engine/transport/tcp"
+)
+
+// Op is the direction of a request, seen from the initiator.
+type Op = transport.Op
+
+// The operations.
+const (
+	Read  = transport.Read  // copy the segment's memory into ours
+	Write = transport.Write // copy our memory into the segment's
+)
+
+// BufferKey names one registration; a range registered again gets a new key.
+type BufferKey = memory.Key
+
+// Engine is one transfer engine. All methods are safe for concurrent use.
+type Engine struct {
+	opts  Options
+	log   *slog.Logger
+	reg   *memory.Registry
+	plane *control.Plane
+	tcp   *tcp.Transport
+	local *local.Transport
+	desc  control.Descriptor // transports part; buffers are filled per request
+	epoch atomic.Uint64
+
+	resolver Resolver
+
+	segMu    sync.Mutex
+	segments map[string]*Segment
+
+	liveMu  sync.Mutex
+	live    map[*Batch]struct{} // batches with tasks in flight, for Close
+	closing atomic.Bool
+	closed  chan struct{}
+	bg      sync.WaitGroup
+
+	allocMu sync.Mutex
+	allocs  map[uint64][]byte
+
+	stats engineCounters
+}
+
+type engineCounters struct {
+	bytesWritten, bytesRead                              atomic.Uint64
+	tasksCompleted, tasksFailed, tasksCanceled, retries atomic.Uint64
+	tasksInFlight                                        atomic.Int64
+}
+
+// New starts an engine: it binds the control plane on opts.Host:opts.Port
+// and the data plane on opts.Host with a free port.
+func New(opts Options) (*Engine, error) {
+	if !opts.IgnoreEnv {
+		if err := opts.applyEnv(); err != nil {
+			return nil, fmt.Errorf("kvferry: options from environment: %w: %w", ErrInvalidArg, err)
+		}
+	}
+	if err := opts.fill(); err != nil {
+		return nil, fmt.Errorf("kvferry: options: %w: %w", ErrInvalidArg, err)
+	}
+	host := strings.TrimSuffix(strings.TrimPrefix(opts.Host, "["), "]")
+	e := &Engine{
+		opts: opts, log: opts.Logger, reg: memory.NewRegistry(),
+		segments: map[string]*Segment{}, live: map[*Batch]struct{}{},
+		closed: make(chan struct{}), allocs: map[uint64][]byte{},
+	}
+	plane, err := control.Listen(host, opts.Port, e.log)
+	if err != nil {
+		return nil, fmt.Errorf("kvferry: %w", err)
+	}
+	e.plane = plane
+	e.tcp = tcp.New(tcp.Options{ListenHost: host, IOTimeout: opts.IOTimeout, Logger: e.log})
+	tcpAddr, err := e.tcp.Listen(e)
+	if err != nil {
+		_ = plane.Close()
+		return nil, fmt.Errorf("kvferry: %w", err)
+	}
+	e.local = local.New(e, plane.Name())
+	e.desc = control.Descriptor{
+		Name: plane.Name(), Version: control.ProtocolVersion,
+		Transports: []control.TransportAddr{{Name: "tcp", Addr: tcpAddr}},
+	}
+	e.resolver = opts.Resolver
+	if e.resolver == nil {
+		e.resolver = p2pResolver{e.plane}
+	}
+	plane.Handle(control.MsgGetDescriptor, e.handleGetDescriptor)
+	plane.Handle(control.MsgPing, func(string, []byte) (control.MsgType, []byte) { return control.MsgPong, nil })
+	plane.Start()
+	e.bg.Add(1)
+	go e.heartbeats()
+	e.log.Debug("kvferry: engine started", "segment", e.Name(), "tcp", tcpAddr)
+	return e, nil
+}
+
+// Name is the engine's segment name, "host:port" ("[::1]:port" for IPv6).
+func (e *Engine) Name() string { return e.plane.Name() }
+
+// Port is the control plane's port.
+func (e *Engine) Port() int {
+	_, p, _ := net.SplitHostPort(e.Name())
+	n, _ := strconv.Atoi(p)
+	return n
+}
+
+// Descriptor returns this engine's current segment descriptor.
+func (e *Engine) Descriptor() *control.Descriptor {
+	d := e.desc
+	d.Epoch = e.epoch.Load()
+	regions := e.reg.Regions()
+	d.Buffers = make([]control.Buffer, len(regions))
+	for i, r := range regions {
+		d.Buffers[i] = control.Buffer{Addr: r.Addr, Len: r.Len, Key: uint64(r.Key), Location: r.Location}
+	}
+	return &d
+}
+
+func (e *Engine) handleGetDescriptor(from string, _ []byte) (control.MsgType, []byte) {
+	return control.MsgDescriptor, e.Descriptor().Encode()
+}
+
+// Close stops new work, cancels transfers still in flight (their tasks end
+// CANCELED; call Batch.Wait first to let them finish), cuts every connection
+// and returns once no goroutine or socket of the engine remains. Memory from
+// AllocBuffer stays mapped until FreeBuffer.
+func (e *Engine) Close() error {
+	if !e.closing.CompareAndSwap(false, true) {
+		<-e.closed
+		return nil
+	}
+	e.liveMu.Lock()
+	batches := make([]*Batch, 0, len(e.live))
+	for b := range e.live {
+		batches = append(batches, b)
+	}
+	e.liveMu.Unlock()
+	for _, b := range batches {
+		b.cancel(Canceled, ErrClosed)
+	}
+	e.segMu.Lock()
+	segs := e.segments
+	e.segments = map[string]*Segment{}
+	e.segMu.Unlock()
+	for _, s := range segs {
+		s.shutdown(ErrClosed)
+	}
+	var errs []error
+	errs = append(errs, e.local.Close(), e.tcp.Close(), e.plane.Close())
+	close(e.closed)
+	e.bg.Wait()
+	e.log.Debug("kvferry: engine closed", "segment", e.Name())
+	return errors.Join(errs...)
+}
+
+func (e *Engine) checkOpen() error {
+	if e.closing.Load() {
+		return ErrClosed
+	}
+	return nil
+}
+
+// Stats is a snapshot of an engine's counters.
+type Stats struct {
+	BytesWritten    uint64 // bytes of completed WRITE slices we initiated
+	BytesRead       uint64 // bytes of completed READ slices we initiated
+	TasksCompleted  uint64
+	TasksFailed     uint64 // FAILED, TIMEOUT and ABORTED tasks
+	TasksCanceled   uint64
+	TasksInFlight   int64
+	Retries         uint64 // slices posted again after a broken path
+	OwnerBytesIn    uint64 // bytes peers wrote into our memory
+	OwnerBytesOut   uint64 // bytes peers read from our memory
+	OwnerRefused    uint64 // peer accesses we refused
+	RefusedInFlight uint64 // refusals that struck mid-slice
+	ProtocolErrors  uint64 // data connections dropped for malformed frames
+	ControlDropped  uint64 // malformed control messages dropped
+	ControlLate     uint64 // control replies that matched no request
+	Registrations   int    // registered ranges
+	OpenSegments    int
+}
+
+// Stats returns a snapshot of the counters.
+func (e *Engine) Stats() Stats {
+	t := e.tcp.Stats()
+	c := e.plane.Stats()
+	e.segMu.Lock()
+	nseg := len(e.segments)
+	e.segMu.Unlock()
+	return Stats{
+		BytesWritten: e.stats.bytesWritten.Load(), BytesRead: e.stats.bytesRead.Load(),
+		TasksCompleted: e.stats.tasksCompleted.Load(), TasksFailed: e.stats.tasksFailed.Load(),
+		TasksCanceled: e.stats.tasksCanceled.Load(), TasksInFlight: e.stats.tasksInFlight.Load(),
+		Retries: e.stats.retries.Load(), OwnerBytesIn: t.BytesIn, OwnerBytesOut: t.BytesOut,
+		OwnerRefused: t.Refused, RefusedInFlight: t.RefusedInFlight, ProtocolErrors: t.ProtocolErrors,
+		ControlDropped: c.Malformed, ControlLate: c.Unmatched, Registrations: e.reg.Len(), OpenSegments: nseg,
+	}
+}
+
+// heartbeats pings every open remote segment and declares dead those that
+// miss HeartbeatMisses pings in a row.
+func (e *Engine) heartbeats() {
+	defer e.bg.Done()
+	tick := time.NewTicker(e.opts.HeartbeatInterval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-e.closed:
+			return
+		case <-tick.C:
+		}
+		e.segMu.Lock()
+		segs := make([]*Segment, 0, len(e.segments))
+		for _, s := range e.segments {
+			if !s.self {
+				segs = append(segs, s)
+			}
+		}
+		e.segMu.Unlock()
+		var wg sync.WaitGroup
+		for _, s := range segs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				ctx, cancel := context.WithTimeout(context.Background(), e.opts.HeartbeatInterval)
+				defer cancel()
+				_, _, err := e.plane.Request(ctx, s.name, control.MsgPing, nil)
+				s.heartbeat(err)
+			}()
+		}
+		wg.Wait()
+	}
+}

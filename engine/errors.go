@@ -1,0 +1,37 @@
+package engine
+
+import (
+	"errors"
+
+	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/memory"
+	"github.com/kvferry/kvferry/engine/transport"
+)
+
+// Errors of the engine; match them with errors.Is. Errors from lower layers
+// are wrapped with context and stay matchable too.
+var (
+	ErrClosed         = errors.New("engine closed")
+	ErrInvalidArg     = errors.New("invalid argument")
+	ErrUnsupported    = errors.New("not supported")
+	ErrBatchFull      = errors.New("batch capacity exceeded")
+	ErrBatchBusy      = errors.New("batch has transfers in flight")
+	ErrBatchFreed     = errors.New("batch was freed")
+	ErrPeerDead       = errors.New("peer declared dead (missed heartbeats)")
+	ErrSegmentUnknown = errors.New("segment descriptor unavailable")
+	ErrRemoteRange    = errors.New("remote range is not registered at the peer")
+	ErrTransferFailed = errors.New("transfer failed")
+	ErrTimeout        = errors.New("transfer timed out")
+	ErrCanceled       = errors.New("transfer canceled")
+
+	// From the memory registry.
+	ErrOverlap       = memory.ErrOverlap
+	ErrNotRegistered = memory.ErrNotRegistered
+	ErrStaleKey      = memory.ErrStaleKey
+	ErrOutOfBounds   = memory.ErrOutOfBounds
+
+	// From the transports and the control plane.
+	ErrRefused     = transport.ErrRefused
+	ErrConnection  = transport.ErrConnection
+	ErrUnreachable = control.ErrUnreachable
+)

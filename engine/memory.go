@@ -1,0 +1,162 @@
+package engine
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/kvferry/kvferry/engine/memory"
+	"github.com/kvferry/kvferry/engine/transport"
+)
+
+// MemoryRange is one range to register.
+type MemoryRange struct {
+	// Mem is the memory. It must not be moved or freed while registered:
+	// use AllocBuffer, mmap or C memory (Go's heap does not move, but
+	// memory from it must stay referenced, which registration does).
+	Mem []byte
+	// Location says where the memory lives: "cpu", "cpu:N" (NUMA node N)
+	// or "*" to detect it. GPU locations ("cuda:N") arrive with the GPU
+	// issue.
+	Location string
+}
+
+// AddrOf returns the address of b's first byte, as requests name it.
+func AddrOf(b []byte) uint64 { return memory.AddrOf(b) }
+
+// RegisterMemory registers one range and returns its buffer key.
+func (e *Engine) RegisterMemory(mem []byte, location string) (BufferKey, error) {
+	keys, err := e.RegisterMemoryBatch([]MemoryRange{{Mem: mem, Location: location}})
+	if err != nil {
+		return 0, err
+	}
+	return keys[0], nil
+}
+
+// RegisterMemoryBatch registers all ranges or none. A range overlapping
+// another in the call or one already registered is refused with ErrOverlap.
+func (e *Engine) RegisterMemoryBatch(ranges []MemoryRange) ([]BufferKey, error) {
+	if err := e.checkOpen(); err != nil {
+		return nil, err
+	}
+	if len(ranges) == 0 {
+		return nil, fmt.Errorf("register memory: %w: no ranges", ErrInvalidArg)
+	}
+	rs := make([]memory.Range, len(ranges))
+	for i, r := range ranges {
+		loc, err := resolveLocation(r.Location, r.Mem)
+		if err != nil {
+			return nil, fmt.Errorf("register memory: range %d at %#x: %w", i, memory.AddrOf(r.Mem), err)
+		}
+		rs[i] = memory.Range{Mem: r.Mem, Location: loc}
+	}
+	regs, err := e.reg.Register(rs)
+	if err != nil {
+		return nil, fmt.Errorf("register memory: %w", err)
+	}
+	e.epoch.Add(1)
+	keys := make([]BufferKey, len(regs))
+	for i, r := range regs {
+		keys[i] = r.Key
+	}
+	return keys, nil
+}
+
+// resolveLocation validates a location and turns "*" into what the memory
+// is.
+func resolveLocation(loc string, mem []byte) (string, error) {
+	switch {
+	case loc == "" || loc == "cpu":
+		return "cpu", nil
+	case loc == "*":
+		if n := memory.NUMANode(mem); n >= 0 {
+			return "cpu:" + strconv.Itoa(n), nil
+		}
+		return "cpu", nil
+	case strings.HasPrefix(loc, "cpu:"):
+		if n, err := strconv.Atoi(loc[4:]); err != nil || n < 0 || n > 4095 {
+			return "", fmt.Errorf("%w: location %q: want cpu:N with N a NUMA node", ErrInvalidArg, loc)
+		}
+		return loc, nil
+	case strings.HasPrefix(loc, "cuda:"):
+		return "", fmt.Errorf("location %q: %w: GPU memory needs the cuda layer", loc, ErrUnsupported)
+	}
+	return "", fmt.Errorf("%w: location %q: want cpu, cpu:N or *", ErrInvalidArg, loc)
+}
+
+// UnregisterMemory removes the registration starting at addr. It returns
+// once no copy into or out of the range is in progress and none can start:
+// the range may be reused at once. Transfers of it still queued fail.
+func (e *Engine) UnregisterMemory(addr uint64) error {
+	return e.UnregisterMemoryBatch([]uint64{addr})
+}
+
+// UnregisterMemoryBatch removes several registrations, all or none.
+func (e *Engine) UnregisterMemoryBatch(addrs []uint64) error {
+	if len(addrs) == 0 {
+		return fmt.Errorf("unregister memory: %w: no addresses", ErrInvalidArg)
+	}
+	if _, err := e.reg.Unregister(addrs); err != nil {
+		return fmt.Errorf("unregister memory: %w", err)
+	}
+	e.epoch.Add(1)
+	return nil
+}
+
+// AllocBuffer maps size bytes outside Go's heap (huge pages when size is a
+// multiple of 2 MiB and the system has them) and registers them. Free it with
+// FreeBuffer.
+func (e *Engine) AllocBuffer(size int, location string) ([]byte, error) {
+	mem, _, err := memory.Alloc(size)
+	if err != nil {
+		return nil, fmt.Errorf("alloc buffer: %w", err)
+	}
+	if _, err := e.RegisterMemory(mem, location); err != nil {
+		_ = memory.Free(mem)
+		return nil, fmt.Errorf("alloc buffer: %w", err)
+	}
+	e.allocMu.Lock()
+	e.allocs[memory.AddrOf(mem)] = mem
+	e.allocMu.Unlock()
+	return mem, nil
+}
+
+// FreeBuffer unregisters and unmaps a buffer from AllocBuffer. It works after
+// Close too.
+func (e *Engine) FreeBuffer(addr uint64) error {
+	e.allocMu.Lock()
+	mem, ok := e.allocs[addr]
+	delete(e.allocs, addr)
+	e.allocMu.Unlock()
+	if !ok {
+		return fmt.Errorf("free buffer %#x: %w: not from AllocBuffer", addr, ErrInvalidArg)
+	}
+	// Unregistering waits for copies in progress, so unmapping is safe after
+	// it; a buffer the caller already unregistered has nothing to wait for.
+	if _, err := e.reg.Unregister([]uint64{addr}); err == nil {
+		e.epoch.Add(1)
+	}
+	return memory.Free(mem)
+}
+
+// regionTarget is owner memory admitted for one access.
+type regionTarget struct {
+	*memory.Region
+	b []byte
+}
+
+func (t regionTarget) Bytes() []byte { return t.b }
+
+// Admit checks a peer's (or our own local transport's) access against the
+// registry: the key must be current and the range inside it. It implements
+// transport.Owner.
+func (e *Engine) Admit(a *transport.Access) (transport.Target, error) {
+	if a.Op != transport.Read && a.Op != transport.Write {
+		return nil, fmt.Errorf("%w: op %d", ErrInvalidArg, a.Op)
+	}
+	r, err := e.reg.Lookup(a.Key, a.Addr, a.Length)
+	if err != nil {
+		return nil, err
+	}
+	return regionTarget{Region: r, b: r.Bytes(a.Addr, a.Length)}, nil
+}

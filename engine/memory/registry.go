@@ -1,0 +1,277 @@
+// Package memory keeps an engine's registered memory: which address ranges
+// peers and local transfers may touch, under which buffer key, and a pin that
+// lets unregistration wait for copies already under way.
+//
+// Lookups by address are O(log n) (a sorted slice searched by binary search)
+// and lookups by key are O(1). A range registered again gets a new key, so a
+// transfer planned against the old registration can never land in memory that
+// changed hands.
+package memory
+
+import (
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+)
+
+// Key names one registration. The high 32 bits are an engine-lifetime tag
+// chosen at random, the low 32 bits a counter, so keys are never reused within
+// an engine and almost never across restarts of one.
+type Key uint64
+
+// Errors returned by the registry; match them with errors.Is.
+var (
+	ErrOverlap       = errors.New("range overlaps a registered range")
+	ErrNotRegistered = errors.New("range is not registered")
+	ErrStaleKey      = errors.New("buffer key is stale (range unregistered or registered again)")
+	ErrOutOfBounds   = errors.New("access outside the registered range")
+	ErrInvalidRange  = errors.New("invalid memory range")
+	ErrUnregistered  = errors.New("memory was unregistered during the access")
+)
+
+// Region is one registered range. Its fields never change after
+// registration; only the pin state does.
+type Region struct {
+	Addr     uint64 // first byte, as an address in this process
+	Len      uint64
+	Key      Key
+	Location string // "cpu:0", later "cuda:N"
+
+	base unsafe.Pointer
+	keep []byte // holds Go-visible memory alive for as long as it is registered
+
+	// pin is read-locked around every chunk a transport copies into or out
+	// of the region and write-locked once by Unregister, which therefore
+	// returns only after the last chunk in progress finished.
+	pin  sync.RWMutex
+	dead atomic.Bool
+}
+
+// End returns the first address past the region.
+func (r *Region) End() uint64 { return r.Addr + r.Len }
+
+// Contains reports whether [addr, addr+n) lies inside the region.
+func (r *Region) Contains(addr, n uint64) bool {
+	return addr >= r.Addr && n <= r.Len && addr-r.Addr <= r.Len-n
+}
+
+// Bytes returns the region's memory from addr for n bytes. The caller must
+// have checked Contains and must touch the bytes only while pinned.
+func (r *Region) Bytes(addr, n uint64) []byte {
+	return unsafe.Slice((*byte)(unsafe.Add(r.base, addr-r.Addr)), n)
+}
+
+// Enter keeps the region registered until Leave; it fails once Unregister
+// has begun. Hold it only around a copy that cannot block for long (a
+// non-blocking syscall, a memcpy).
+func (r *Region) Enter() error {
+	r.pin.RLock()
+	if r.dead.Load() {
+		r.pin.RUnlock()
+		return ErrUnregistered
+	}
+	return nil
+}
+
+// Leave ends an Enter.
+func (r *Region) Leave() { r.pin.RUnlock() }
+
+// Dead reports whether the region was unregistered.
+func (r *Region) Dead() bool { return r.dead.Load() }
+
+// Range describes memory to register.
+type Range struct {
+	Mem      []byte
+	Location string
+}
+
+// Registry holds the registered regions of one engine. It is safe for
+// concurrent use.
+type Registry struct {
+	mu     sync.RWMutex
+	byAddr []*Region // sorted by Addr, non-overlapping
+	byKey  map[Key]*Region
+	tag    uint64
+	next   atomic.Uint32
+}
+
+// NewRegistry returns an empty registry.
+func NewRegistry() *Registry {
+	var b [4]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic(fmt.Sprintf("memory: no randomness for key tag: %v", err))
+	}
+	return &Registry{byKey: make(map[Key]*Region), tag: uint64(binary.LittleEndian.Uint32(b[:])|1) << 32}
+}
+
+// AddrOf returns the address of b's first byte (0 for an empty slice).
+func AddrOf(b []byte) uint64 {
+	if len(b) == 0 {
+		return 0
+	}
+	return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b))))
+}
+
+// Register adds all ranges or none. Ranges must be non-empty, must not wrap
+// around the address space and must overlap neither each other nor anything
+// registered.
+func (g *Registry) Register(ranges []Range) ([]*Region, error) {
+	regs := make([]*Region, len(ranges))
+	for i, rg := range ranges {
+		if len(rg.Mem) == 0 {
+			return nil, fmt.Errorf("range %d: %w: empty", i, ErrInvalidRange)
+		}
+		addr := AddrOf(rg.Mem)
+		if addr+uint64(len(rg.Mem)) < addr {
+			return nil, fmt.Errorf("range %d: %w: wraps the address space", i, ErrInvalidRange)
+		}
+		regs[i] = &Region{
+			Addr: addr, Len: uint64(len(rg.Mem)), Location: rg.Location,
+			base: unsafe.Pointer(unsafe.SliceData(rg.Mem)), keep: rg.Mem,
+		}
+	}
+	sorted := append([]*Region(nil), regs...)
+	sort.Slice(sorted, func(i, j int) bool { return sorted[i].Addr < sorted[j].Addr })
+	for i := 1; i < len(sorted); i++ {
+		if sorted[i].Addr < sorted[i-1].End() {
+			return nil, fmt.Errorf("%w: [%#x, %#x) and [%#x, %#x) in the same call", ErrOverlap,
+				sorted[i-1].Addr, sorted[i-1].End(), sorted[i].Addr, sorted[i].End())
+		}
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for _, r := range sorted {
+		if o := g.overlapLocked(r.Addr, r.Len); o != nil {
+			return nil, fmt.Errorf("%w: [%#x, %#x) overlaps registered [%#x, %#x)", ErrOverlap,
+				r.Addr, r.End(), o.Addr, o.End())
+		}
+	}
+	for _, r := range regs {
+		r.Key = Key(g.tag | uint64(g.next.Add(1)))
+		g.byKey[r.Key] = r
+	}
+	merged := make([]*Region, 0, len(g.byAddr)+len(sorted))
+	i, j := 0, 0
+	for i < len(g.byAddr) || j < len(sorted) {
+		if j == len(sorted) || (i < len(g.byAddr) && g.byAddr[i].Addr < sorted[j].Addr) {
+			merged = append(merged, g.byAddr[i])
+			i++
+		} else {
+			merged = append(merged, sorted[j])
+			j++
+		}
+	}
+	g.byAddr = merged
+	return regs, nil
+}
+
+// overlapLocked returns a registered region overlapping [addr, addr+n), if any.
+func (g *Registry) overlapLocked(addr, n uint64) *Region {
+	i := sort.Search(len(g.byAddr), func(i int) bool { return g.byAddr[i].End() > addr })
+	if i < len(g.byAddr) && g.byAddr[i].Addr < addr+n {
+		return g.byAddr[i]
+	}
+	return nil
+}
+
+// Unregister removes the regions starting at the given addresses, all or
+// none. It returns after every copy in progress into or out of them ended;
+// no copy starts afterwards.
+func (g *Registry) Unregister(addrs []uint64) ([]*Region, error) {
+	g.mu.Lock()
+	regs := make([]*Region, len(addrs))
+	seen := make(map[uint64]bool, len(addrs))
+	for i, a := range addrs {
+		r := g.findLocked(a)
+		if r == nil || r.Addr != a {
+			g.mu.Unlock()
+			return nil, fmt.Errorf("unregister %#x: %w", a, ErrNotRegistered)
+		}
+		if seen[a] {
+			g.mu.Unlock()
+			return nil, fmt.Errorf("unregister %#x: %w: named twice", a, ErrInvalidRange)
+		}
+		seen[a] = true
+		regs[i] = r
+	}
+	for _, r := range regs {
+		delete(g.byKey, r.Key)
+	}
+	kept := g.byAddr[:0:0]
+	for _, r := range g.byAddr {
+		if !seen[r.Addr] {
+			kept = append(kept, r)
+		}
+	}
+	g.byAddr = kept
+	g.mu.Unlock()
+	for _, r := range regs {
+		r.pin.Lock()
+		r.dead.Store(true)
+		r.pin.Unlock()
+		r.keep = nil
+	}
+	return regs, nil
+}
+
+func (g *Registry) findLocked(addr uint64) *Region {
+	i := sort.Search(len(g.byAddr), func(i int) bool { return g.byAddr[i].End() > addr })
+	if i < len(g.byAddr) && g.byAddr[i].Addr <= addr {
+		return g.byAddr[i]
+	}
+	return nil
+}
+
+// Find returns the region holding all of [addr, addr+n).
+func (g *Registry) Find(addr, n uint64) (*Region, error) {
+	if n == 0 || addr+n < addr {
+		return nil, fmt.Errorf("%w: [%#x, +%d)", ErrInvalidRange, addr, n)
+	}
+	g.mu.RLock()
+	r := g.findLocked(addr)
+	g.mu.RUnlock()
+	if r == nil {
+		return nil, fmt.Errorf("[%#x, +%d): %w", addr, n, ErrNotRegistered)
+	}
+	if !r.Contains(addr, n) {
+		return nil, fmt.Errorf("[%#x, +%d) runs past registered [%#x, %#x): %w", addr, n, r.Addr, r.End(), ErrOutOfBounds)
+	}
+	return r, nil
+}
+
+// Lookup checks an access named by key: the key must be current and
+// [addr, addr+n) inside its region.
+func (g *Registry) Lookup(key Key, addr, n uint64) (*Region, error) {
+	if n == 0 || addr+n < addr {
+		return nil, fmt.Errorf("%w: [%#x, +%d)", ErrInvalidRange, addr, n)
+	}
+	g.mu.RLock()
+	r := g.byKey[key]
+	g.mu.RUnlock()
+	if r == nil {
+		return nil, fmt.Errorf("key %#x: %w", uint64(key), ErrStaleKey)
+	}
+	if !r.Contains(addr, n) {
+		return nil, fmt.Errorf("[%#x, +%d) outside key %#x's [%#x, %#x): %w", addr, n, uint64(key), r.Addr, r.End(), ErrOutOfBounds)
+	}
+	return r, nil
+}
+
+// Regions returns a snapshot of the registered regions in address order.
+func (g *Registry) Regions() []*Region {
+	g.mu.RLock()
+	defer g.mu.RUnlock()
+	return append([]*Region(nil), g.byAddr...)
+}
+
+// Len returns the number of registered regions.
+func (g *Registry) Len() int {
+	g.mu.RLock()
+	defer g.mu.RUnlock()
+	return len(g.byAddr)
+}

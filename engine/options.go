@@ -1,0 +1,182 @@
+package engine
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+	"strconv"
+	"time"
+)
+
+// Options configure an Engine. Zero fields take the defaults in the table
+// below; KVFERRY_* environment variables, read by New, override fields. In a
+// process that loaded libkvferry.so, the environment is the one the process
+// had when the library was loaded.
+//
+//	field              variable                     default
+//	Host               KVFERRY_HOST                 127.0.0.1
+//	Port               KVFERRY_PORT                 0 (the kernel picks)
+//	Protocol           KVFERRY_PROTOCOL             tcp
+//	SliceSize          KVFERRY_SLICE_SIZE           256 KiB
+//	PathsPerPeer       KVFERRY_PATHS_PER_PEER       4
+//	MaxRetries         KVFERRY_MAX_RETRIES          2
+//	DefaultTimeout     KVFERRY_TIMEOUT_MS           30000
+//	IOTimeout          KVFERRY_IO_TIMEOUT_MS        30000
+//	HeartbeatInterval  KVFERRY_HEARTBEAT_MS         1000
+//	HeartbeatMisses    KVFERRY_HEARTBEAT_MISSES     5
+//	LogLevel           KVFERRY_LOG_LEVEL            info (debug, info, warn, error)
+type Options struct {
+	// Host is the address the control plane and the data plane listen
+	// on, and the host part of the segment name. An IPv6 address is given
+	// bare ("::1"); the name then reads "[::1]:port".
+	Host string
+	// Port is the control plane's port; 0 picks a free one, reported by
+	// Engine.Name.
+	Port int
+	// Protocol is the data-plane transport for remote segments: "tcp".
+	// ("rdma" arrives with the RDMA transport.)
+	Protocol string
+	// SliceSize is the largest piece a request is cut into; slices of
+	// one request travel on several paths at once.
+	SliceSize int
+	// PathsPerPeer is how many connections carry slices to one peer.
+	PathsPerPeer int
+	// MaxRetries is how often a slice that failed on a broken path is
+	// posted again on another path before its task fails.
+	MaxRetries int
+	// DefaultTimeout bounds synchronous transfers whose context carries no
+	// deadline.
+	DefaultTimeout time.Duration
+	// IOTimeout bounds one blocked socket write.
+	IOTimeout time.Duration
+	// HeartbeatInterval is how often open segments are pinged; a segment
+	// that misses HeartbeatMisses pings in a row is declared dead and its
+	// in-flight transfers fail.
+	HeartbeatInterval time.Duration
+	HeartbeatMisses   int
+	// Logger receives the engine's logs; default: slog's default handler
+	// at LogLevel.
+	Logger *slog.Logger
+	// LogLevel applies when Logger is nil.
+	LogLevel slog.Level
+	// Resolver finds segment descriptors; default: ask the segment's own
+	// control endpoint (P2P handshake).
+	Resolver Resolver
+	// IgnoreEnv makes New skip the KVFERRY_* variables.
+	IgnoreEnv bool
+}
+
+// Defaults of Options.
+const (
+	DefaultSliceSize    = 256 << 10
+	DefaultPathsPerPeer = 4
+	MaxSliceSize        = 64 << 20
+	MaxPathsPerPeer     = 64
+)
+
+func (o *Options) applyEnv() error {
+	str := func(name string, dst *string) {
+		if v, ok := os.LookupEnv(name); ok && v != "" {
+			*dst = v
+		}
+	}
+	num := func(name string, dst *int) error {
+		v, ok := os.LookupEnv(name)
+		if !ok || v == "" {
+			return nil
+		}
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return fmt.Errorf("%s=%q: not an integer", name, v)
+		}
+		*dst = n
+		return nil
+	}
+	ms := func(name string, dst *time.Duration) error {
+		n := -1
+		if err := num(name, &n); err != nil || n < 0 {
+			return err
+		}
+		*dst = time.Duration(n) * time.Millisecond
+		return nil
+	}
+	str("KVFERRY_HOST", &o.Host)
+	str("KVFERRY_PROTOCOL", &o.Protocol)
+	for _, f := range []struct {
+		name string
+		dst  *int
+	}{
+		{"KVFERRY_PORT", &o.Port}, {"KVFERRY_SLICE_SIZE", &o.SliceSize}, {"KVFERRY_PATHS_PER_PEER", &o.PathsPerPeer},
+		{"KVFERRY_MAX_RETRIES", &o.MaxRetries}, {"KVFERRY_HEARTBEAT_MISSES", &o.HeartbeatMisses},
+	} {
+		if err := num(f.name, f.dst); err != nil {
+			return err
+		}
+	}
+	for _, f := range []struct {
+		name string
+		dst  *time.Duration
+	}{
+		{"KVFERRY_TIMEOUT_MS", &o.DefaultTimeout}, {"KVFERRY_IO_TIMEOUT_MS", &o.IOTimeout},
+		{"KVFERRY_HEARTBEAT_MS", &o.HeartbeatInterval},
+	} {
+		if err := ms(f.name, f.dst); err != nil {
+			return err
+		}
+	}
+	if v, ok := os.LookupEnv("KVFERRY_LOG_LEVEL"); ok && v != "" {
+		if err := o.LogLevel.UnmarshalText([]byte(v)); err != nil {
+			return fmt.Errorf("KVFERRY_LOG_LEVEL=%q: %w", v, err)
+		}
+	}
+	return nil
+}
+
+// fill sets defaults and checks ranges.
+func (o *Options) fill() error {
+	if o.Host == "" {
+		o.Host = "127.0.0.1"
+	}
+	if o.Protocol == "" {
+		o.Protocol = "tcp"
+	}
+	if o.Protocol != "tcp" {
+		return fmt.Errorf("protocol %q: %w (this build has tcp)", o.Protocol, ErrUnsupported)
+	}
+	if o.Port < 0 || o.Port > 65535 {
+		return fmt.Errorf("port %d out of range", o.Port)
+	}
+	if o.SliceSize == 0 {
+		o.SliceSize = DefaultSliceSize
+	}
+	if o.SliceSize < 4096 || o.SliceSize > MaxSliceSize {
+		return fmt.Errorf("slice size %d: want 4 KiB to %d MiB", o.SliceSize, MaxSliceSize>>20)
+	}
+	if o.PathsPerPeer == 0 {
+		o.PathsPerPeer = DefaultPathsPerPeer
+	}
+	if o.PathsPerPeer < 1 || o.PathsPerPeer > MaxPathsPerPeer {
+		return fmt.Errorf("paths per peer %d: want 1 to %d", o.PathsPerPeer, MaxPathsPerPeer)
+	}
+	if o.MaxRetries < 0 {
+		return fmt.Errorf("max retries %d is negative", o.MaxRetries)
+	}
+	if o.MaxRetries == 0 {
+		o.MaxRetries = 2
+	}
+	def := func(d *time.Duration, v time.Duration) {
+		if *d <= 0 {
+			*d = v
+		}
+	}
+	def(&o.DefaultTimeout, 30*time.Second)
+	def(&o.IOTimeout, 30*time.Second)
+	def(&o.HeartbeatInterval, time.Second)
+	if o.HeartbeatMisses <= 0 {
+		o.HeartbeatMisses = 5
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: o.LogLevel})).With("lib", "kvferry")
+	}
+	return nil
+}

@@ -1,0 +1,271 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/transport"
+)
+
+// Resolver fetches a segment's descriptor by name. The default asks the
+// segment's own control endpoint (a P2P handshake); a cluster store such as
+// etcd can implement it instead.
+type Resolver interface {
+	Resolve(ctx context.Context, name string) (*control.Descriptor, error)
+}
+
+type p2pResolver struct{ plane *control.Plane }
+
+func (r p2pResolver) Resolve(ctx context.Context, name string) (*control.Descriptor, error) {
+	t, body, err := r.plane.Request(ctx, name, control.MsgGetDescriptor, nil)
+	if err != nil {
+		return nil, err
+	}
+	if t != control.MsgDescriptor {
+		return nil, fmt.Errorf("%w: answered %s to GET_DESCRIPTOR", control.ErrMalformed, t)
+	}
+	d, err := control.DecodeDescriptor(body)
+	if err != nil {
+		return nil, err
+	}
+	if d.Name != name {
+		return nil, fmt.Errorf("%w: segment %q describes itself as %q", control.ErrMalformed, name, d.Name)
+	}
+	return d, nil
+}
+
+// Segment is an open peer (or the engine itself): its cached descriptor and
+// the paths that carry slices to it. Segments are cached by name; opening one
+// twice returns the same Segment.
+type Segment struct {
+	e    *Engine
+	name string
+	self bool
+
+	refreshMu sync.Mutex // one descriptor fetch at a time
+	desc      atomic.Pointer[control.Descriptor]
+
+	mu     sync.Mutex
+	paths  []*pathRef // PathsPerPeer entries, nil until dialed
+	addr   string               // data-plane address
+	closed error                // set by shutdown
+	next   atomic.Uint32
+
+	misses atomic.Int32
+	dead   atomic.Bool
+}
+
+// Name is the segment's name, "host:port".
+func (s *Segment) Name() string { return s.name }
+
+// Descriptor returns the cached descriptor.
+func (s *Segment) Descriptor() *control.Descriptor { return s.desc.Load() }
+
+// OpenSegment opens the segment called name ("host:port"), fetching its
+// descriptor; the engine's own name opens the local segment.
+func (e *Engine) OpenSegment(ctx context.Context, name string) (*Segment, error) {
+	if err := e.checkOpen(); err != nil {
+		return nil, err
+	}
+	if _, _, err := net.SplitHostPort(name); err != nil {
+		return nil, fmt.Errorf("open segment %q: %w: want host:port: %w", name, ErrInvalidArg, err)
+	}
+	e.segMu.Lock()
+	if s := e.segments[name]; s != nil {
+		e.segMu.Unlock()
+		return s, nil
+	}
+	e.segMu.Unlock()
+	s := &Segment{e: e, name: name, self: name == e.Name()}
+	s.paths = make([]*pathRef, e.opts.PathsPerPeer)
+	if s.self {
+		s.paths = s.paths[:1]
+		s.desc.Store(e.Descriptor())
+	} else if err := s.refresh(ctx); err != nil {
+		return nil, fmt.Errorf("open segment %q: %w", name, err)
+	}
+	e.segMu.Lock()
+	defer e.segMu.Unlock()
+	if e.closing.Load() {
+		return nil, ErrClosed
+	}
+	if old := e.segments[name]; old != nil {
+		return old, nil // a concurrent open won
+	}
+	e.segments[name] = s
+	return s, nil
+}
+
+// CloseSegment forgets an open segment: transfers to it still in flight fail,
+// and a later OpenSegment fetches its descriptor again.
+func (e *Engine) CloseSegment(s *Segment) error {
+	if s == nil || s.e != e {
+		return fmt.Errorf("close segment: %w: not a segment of this engine", ErrInvalidArg)
+	}
+	e.segMu.Lock()
+	if e.segments[s.name] == s {
+		delete(e.segments, s.name)
+	}
+	e.segMu.Unlock()
+	s.shutdown(fmt.Errorf("segment %s closed", s.name))
+	if !s.self {
+		e.plane.Forget(s.name)
+	}
+	return nil
+}
+
+// refresh fetches the descriptor again.
+func (s *Segment) refresh(ctx context.Context) error {
+	if s.self {
+		s.desc.Store(s.e.Descriptor())
+		return nil
+	}
+	s.refreshMu.Lock()
+	defer s.refreshMu.Unlock()
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, s.e.opts.DefaultTimeout)
+		defer cancel()
+	}
+	d, err := s.e.resolver.Resolve(ctx, s.name)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrSegmentUnknown, err)
+	}
+	addr, ok := d.Transport(s.e.opts.Protocol)
+	if !ok {
+		return fmt.Errorf("%w: segment offers no %s transport", ErrUnsupported, s.e.opts.Protocol)
+	}
+	s.mu.Lock()
+	if s.addr != "" && s.addr != addr {
+		// The peer restarted under the same name: old paths lead nowhere.
+		for i, p := range s.paths {
+			if p != nil {
+				go p.ep.Abort(errors.New("segment restarted"))
+				s.paths[i] = nil
+			}
+		}
+	}
+	s.addr = addr
+	s.mu.Unlock()
+	s.desc.Store(d)
+	return nil
+}
+
+// resolve finds the buffer key for [addr, addr+n) at the segment, fetching
+// the descriptor again once when the cached one lacks the range.
+func (s *Segment) resolve(ctx context.Context, addr, n uint64, refreshed *bool) (BufferKey, error) {
+	if b, ok := s.desc.Load().Find(addr, n); ok {
+		return BufferKey(b.Key), nil
+	}
+	if !*refreshed {
+		*refreshed = true
+		if err := s.refresh(ctx); err != nil {
+			return 0, err
+		}
+		if b, ok := s.desc.Load().Find(addr, n); ok {
+			return BufferKey(b.Key), nil
+		}
+	}
+	return 0, fmt.Errorf("[%#x, +%d) at %s: %w", addr, n, s.name, ErrRemoteRange)
+}
+
+// pathRef is one dialed path; slices point at the one carrying them, so a
+// cancel can stop it.
+type pathRef struct{ ep transport.Endpoint }
+
+// path returns a live path, dialing one when the slot is empty or dead. The
+// hint spreads slices over slots; a retry passes a different hint.
+func (s *Segment) path(ctx context.Context, hint uint32) (*pathRef, error) {
+	i := int(hint % uint32(len(s.paths)))
+	s.mu.Lock()
+	if s.closed != nil {
+		s.mu.Unlock()
+		return nil, s.closed
+	}
+	if s.dead.Load() {
+		s.mu.Unlock()
+		return nil, fmt.Errorf("segment %s: %w", s.name, ErrPeerDead)
+	}
+	if p := s.paths[i]; p != nil && !p.ep.Dead() {
+		s.mu.Unlock()
+		return p, nil
+	}
+	addr := s.addr
+	s.mu.Unlock()
+	// Dial outside the lock: a slow peer must not hold up other paths.
+	var p transport.Endpoint
+	var err error
+	if s.self {
+		p, err = s.e.local.Dial(ctx, "", s.e.Name())
+	} else {
+		p, err = s.e.tcp.Dial(ctx, addr, s.e.Name())
+	}
+	if err != nil {
+		return nil, fmt.Errorf("segment %s: %w", s.name, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed != nil {
+		go p.Abort(s.closed)
+		return nil, s.closed
+	}
+	if cur := s.paths[i]; cur != nil && !cur.ep.Dead() {
+		go p.Abort(errors.New("duplicate path"))
+		return cur, nil
+	}
+	ref := &pathRef{ep: p}
+	s.paths[i] = ref
+	return ref, nil
+}
+
+// heartbeat records one ping's outcome. A segment missing HeartbeatMisses in a
+// row is declared dead: its paths are cut, so transfers in flight fail now
+// rather than when TCP gives up; a later answered ping revives it.
+func (s *Segment) heartbeat(err error) {
+	if err == nil {
+		s.misses.Store(0)
+		if s.dead.CompareAndSwap(true, false) {
+			s.e.log.Info("kvferry: peer answers again", "segment", s.name)
+		}
+		return
+	}
+	if int(s.misses.Add(1)) < s.e.opts.HeartbeatMisses || !s.dead.CompareAndSwap(false, true) {
+		return
+	}
+	s.e.log.Warn("kvferry: peer declared dead", "segment", s.name, "misses", s.misses.Load(), "err", err)
+	s.cutPaths(fmt.Errorf("segment %s: %w", s.name, ErrPeerDead))
+}
+
+// cutPaths aborts every path; their slices fail and are retried or failed.
+func (s *Segment) cutPaths(reason error) {
+	s.mu.Lock()
+	paths := append([]*pathRef(nil), s.paths...)
+	for i := range s.paths {
+		s.paths[i] = nil
+	}
+	s.mu.Unlock()
+	for _, p := range paths {
+		if p != nil {
+			p.ep.Abort(reason)
+		}
+	}
+}
+
+// shutdown closes the segment for good.
+func (s *Segment) shutdown(reason error) {
+	s.mu.Lock()
+	if s.closed == nil {
+		s.closed = reason
+	}
+	s.mu.Unlock()
+	s.cutPaths(reason)
+}
+
+// pathTimeout bounds dialing a path inside a submit.
+const pathTimeout = 5 * time.Second

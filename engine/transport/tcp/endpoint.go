@@ -1,0 +1,336 @@
+package tcp
+
+import (
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvferry/kvferry/engine/transport"
+)
+
+// endpoint is the initiator's side of one connection. A sender goroutine
+// writes frames in posting order; a receiver goroutine reads the owner's
+// answers, which come in the same order, and ends the slices.
+type endpoint struct {
+	t    *Transport
+	conn *net.TCPConn
+	out  *rawConn // used by the sender only
+	in   *rawConn // used by the receiver only
+
+	mu      sync.Mutex
+	queue   []*transport.Slice
+	closed  bool // no more posts; set once the goroutines ended
+	wake    chan struct{}
+	pending sync.Map // seq -> *transport.Slice; ends in order, but a map keeps lookups honest
+	seq     uint64   // sender only
+	reads   atomic.Int32 // READ slices sent and not yet READ_DONE
+
+	// The receiver's buffer of answer headers.
+	inBuf          [4096]byte
+	inStart, inEnd int
+
+	dead     atomic.Bool
+	failOnce sync.Once
+	reason   error
+	wg       sync.WaitGroup
+	finished chan struct{}
+}
+
+func newEndpoint(t *Transport, conn *net.TCPConn, self string) (*endpoint, error) {
+	rc, err := conn.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	ep := &endpoint{
+		t: t, conn: conn, out: newRawConn(rc), in: newRawConn(rc),
+		wake: make(chan struct{}, 1), finished: make(chan struct{}),
+	}
+	hello := header{typ: frameHello, length: uint32(len(self))}
+	var hb [HeaderSize]byte
+	hello.encode(hb[:])
+	_ = conn.SetDeadline(time.Now().Add(t.opts.HandshakeTimeout))
+	if _, _, err := ep.out.writeGuarded(hb[:], []byte(self), nil); err != nil {
+		return nil, err
+	}
+	if err := ep.in.readFull(hb[:]); err != nil {
+		return nil, err
+	}
+	var h header
+	if err := h.decode(hb[:]); err != nil {
+		return nil, err
+	}
+	if h.typ != frameHelloAck || h.status != statusOK {
+		return nil, fmt.Errorf("%w: HELLO answered with type %d status %d", errBadFrame, h.typ, h.status)
+	}
+	_ = conn.SetDeadline(time.Time{})
+	ep.wg.Add(2)
+	go ep.send()
+	go ep.receive()
+	go func() {
+		ep.wg.Wait()
+		ep.sweep()
+	}()
+	return ep, nil
+}
+
+// Post queues slices; a dead endpoint fails them at once.
+func (ep *endpoint) Post(slices []*transport.Slice) {
+	ep.mu.Lock()
+	if ep.closed {
+		ep.mu.Unlock()
+		for _, s := range slices {
+			s.Finish(ep.failure())
+		}
+		return
+	}
+	ep.queue = append(ep.queue, slices...)
+	ep.mu.Unlock()
+	select {
+	case ep.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (ep *endpoint) failure() error {
+	return fmt.Errorf("tcp %s: %w: %w", ep.conn.RemoteAddr(), transport.ErrConnection, ep.reason)
+}
+
+// send writes queued slices in order.
+func (ep *endpoint) send() {
+	defer ep.wg.Done()
+	var hb [HeaderSize]byte
+	var batch []*transport.Slice
+	for !ep.dead.Load() {
+		ep.mu.Lock()
+		batch, ep.queue = ep.queue, batch[:0]
+		ep.mu.Unlock()
+		if len(batch) == 0 {
+			<-ep.wake
+			continue
+		}
+		for i, s := range batch {
+			batch[i] = nil
+			if ep.dead.Load() {
+				// Put it back for the sweep to fail.
+				ep.mu.Lock()
+				ep.queue = append(ep.queue, s)
+				ep.mu.Unlock()
+				continue
+			}
+			if !s.Advance(transport.StateQueued, transport.StateActive) {
+				continue // canceled while queued
+			}
+			ep.seq++
+			h := header{
+				seq: ep.seq, requestID: s.RequestID, generation: s.Generation,
+				length: uint32(len(s.Local)), key: s.Key, addr: s.Remote, grantID: s.GrantID,
+			}
+			ep.pending.Store(ep.seq, s)
+			var err error
+			_ = ep.conn.SetWriteDeadline(time.Now().Add(ep.t.opts.IOTimeout))
+			if s.Op == transport.Write {
+				h.typ = frameWrite
+				h.encode(hb[:])
+				var refusal error
+				_, refusal, err = ep.out.writeGuarded(hb[:], s.Local, s.LocalReg)
+				if refusal != nil && err == nil {
+					// Our own memory was unregistered mid-slice: zeros went
+					// out in its place, so the slice must not count as done.
+					// Its WRITE_ACK still comes and clears it from pending.
+					s.Finish(fmt.Errorf("local memory: %w", refusal))
+					continue
+				}
+			} else {
+				h.typ = frameRead
+				h.encode(hb[:])
+				ep.reads.Add(1) // before the frame leaves: see nextHeader
+				_, _, err = ep.out.writeGuarded(hb[:], nil, nil)
+			}
+			if err != nil {
+				ep.fail(err)
+				continue
+			}
+			s.Advance(transport.StateActive, transport.StateSent)
+		}
+	}
+}
+
+// receive reads answers and ends slices.
+func (ep *endpoint) receive() {
+	defer ep.wg.Done()
+	var h header
+	for {
+		hb, err := ep.nextHeader()
+		if err != nil {
+			ep.fail(err)
+			return
+		}
+		if err := h.decode(hb); err != nil {
+			ep.fail(err)
+			return
+		}
+		v, ok := ep.pending.Load(h.seq)
+		if !ok {
+			ep.fail(fmt.Errorf("%w: answer for unknown slice %d", errBadFrame, h.seq))
+			return
+		}
+		s := v.(*transport.Slice)
+		switch h.typ {
+		case frameWriteAck:
+			ep.pending.Delete(h.seq)
+			s.Finish(sliceErr(&h, len(s.Local)))
+		case frameReadData:
+			if int(h.length) != len(s.Local) {
+				ep.fail(fmt.Errorf("%w: READ_DATA of %d bytes for a %d-byte slice", errBadFrame, h.length, len(s.Local)))
+				return
+			}
+			if err := ep.receiveData(s); err != nil {
+				ep.fail(err)
+				return
+			}
+		case frameReadDone:
+			ep.pending.Delete(h.seq)
+			ep.reads.Add(-1)
+			s.Finish(sliceErr(&h, len(s.Local)))
+		default:
+			ep.fail(fmt.Errorf("%w: type %d from an owner", errBadFrame, h.typ))
+			return
+		}
+	}
+}
+
+// nextHeader returns the next answer header. Answers are small and come in
+// runs, so while no READ is outstanding it reads as many as the socket holds
+// at once; with READs outstanding it reads one header at a time, so READ
+// data goes straight into the slice's memory.
+func (ep *endpoint) nextHeader() ([]byte, error) {
+	for ep.inEnd-ep.inStart < HeaderSize {
+		if ep.inStart > 0 {
+			ep.inEnd = copy(ep.inBuf[:], ep.inBuf[ep.inStart:ep.inEnd])
+			ep.inStart = 0
+		}
+		limit := len(ep.inBuf)
+		if ep.reads.Load() > 0 {
+			limit = HeaderSize
+		}
+		_, n, _, err := ep.in.readv(nil, ep.inBuf[ep.inEnd:limit], nil, true)
+		if err != nil {
+			return nil, err
+		}
+		ep.inEnd += n
+	}
+	hb := ep.inBuf[ep.inStart : ep.inStart+HeaderSize]
+	ep.inStart += HeaderSize
+	return hb, nil
+}
+
+// receiveData copies one READ_DATA payload into the slice's memory, or
+// drops it when the slice was canceled. Payload bytes that a header read
+// pulled in (a READ posted while headers were read in bulk) are copied from
+// the buffer first.
+func (ep *endpoint) receiveData(s *transport.Slice) error {
+	buffered := min(ep.inEnd-ep.inStart, len(s.Local))
+	if !startReceiving(s) {
+		ep.inStart += buffered
+		return ep.in.discard(len(s.Local) - buffered)
+	}
+	if buffered > 0 {
+		if err := s.LocalReg.Enter(); err != nil {
+			ep.inStart += buffered
+			s.Finish(fmt.Errorf("local memory: %w", err)) // READ_DONE clears it
+			return ep.in.discard(len(s.Local) - buffered)
+		}
+		copy(s.Local, ep.inBuf[ep.inStart:ep.inStart+buffered])
+		s.LocalReg.Leave()
+		ep.inStart += buffered
+	}
+	_, _, refusal, err := ep.in.readGuarded(s.Local[buffered:], s.LocalReg, nil)
+	if err != nil {
+		return err
+	}
+	if refusal != nil {
+		s.Finish(fmt.Errorf("local memory: %w", refusal)) // READ_DONE clears it
+	}
+	return nil
+}
+
+// startReceiving claims a READ slice for copying its data in; it fails when
+// the slice was canceled. The sender may still be moving it from Active to
+// Sent, so both are accepted.
+func startReceiving(s *transport.Slice) bool {
+	for {
+		if s.Advance(transport.StateSent, transport.StateReceiving) || s.Advance(transport.StateActive, transport.StateReceiving) {
+			return true
+		}
+		if st := s.State(); st != transport.StateSent && st != transport.StateActive {
+			return false
+		}
+	}
+}
+
+// sliceErr turns an owner's answer into the slice's outcome.
+func sliceErr(h *header, want int) error {
+	if err := errOf(h.status); err != nil {
+		return fmt.Errorf("owner answered: %w (%d of %d bytes moved)", err, h.done, want)
+	}
+	if h.done != uint64(want) {
+		return fmt.Errorf("%w: owner moved %d of %d bytes without a refusal", errBadFrame, h.done, want)
+	}
+	return nil
+}
+
+// fail marks the endpoint dead and cuts the connection, so both goroutines
+// return from any syscall wait at once.
+func (ep *endpoint) fail(reason error) {
+	ep.failOnce.Do(func() {
+		ep.reason = reason
+		ep.dead.Store(true)
+		_ = ep.conn.SetDeadline(time.Unix(1, 0))
+		select {
+		case ep.wake <- struct{}{}:
+		default:
+		}
+		if !isClosed(reason) && !ep.t.closing.Load() {
+			ep.t.opts.Logger.Debug("tcp: path failed", "remote", ep.conn.RemoteAddr().String(), "err", reason)
+		}
+	})
+}
+
+// sweep runs once both goroutines ended: nothing touches slice memory any
+// more, so every slice not yet ended fails with a retryable error.
+func (ep *endpoint) sweep() {
+	_ = ep.conn.Close()
+	ep.mu.Lock()
+	ep.closed = true
+	queued := ep.queue
+	ep.queue = nil
+	ep.mu.Unlock()
+	err := ep.failure()
+	ep.pending.Range(func(k, v any) bool {
+		ep.pending.Delete(k)
+		v.(*transport.Slice).Finish(err)
+		return true
+	})
+	for _, s := range queued {
+		s.Finish(err)
+	}
+	ep.t.forget(ep)
+	close(ep.finished)
+}
+
+// Abort stops the path and returns once it no longer touches slice memory.
+func (ep *endpoint) Abort(reason error) {
+	ep.fail(reason)
+	<-ep.finished
+}
+
+// Dead reports whether the path failed or was aborted.
+func (ep *endpoint) Dead() bool { return ep.dead.Load() }
+
+// Close aborts the path with transport.ErrClosed.
+func (ep *endpoint) Close() error {
+	ep.Abort(transport.ErrClosed)
+	return nil
+}

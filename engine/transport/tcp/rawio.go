@@ -1,0 +1,226 @@
+package tcp
+
+import (
+	"errors"
+	"io"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// guard is held around each non-blocking copy into or out of registered
+// memory (a memory.Region, a transport.Target). It is never held while the
+// goroutine waits for the socket, so a peer that stops mid-frame cannot stall
+// an Unregister or an Abort.
+type guard interface {
+	Enter() error
+	Leave()
+}
+
+// rawConn reads and writes a socket with non-blocking syscalls, waiting in
+// Go's netpoller (which honours the connection's deadlines) between them.
+type rawConn struct {
+	rc      syscall.RawConn
+	scratch []byte // where refused bytes are read to, and zeros are written from
+}
+
+func newRawConn(rc syscall.RawConn) *rawConn {
+	return &rawConn{rc: rc, scratch: make([]byte, 64<<10)}
+}
+
+// readFull fills p from the socket.
+func (c *rawConn) readFull(p []byte) error {
+	_, _, _, err := c.readGuarded(p, nil, nil)
+	return err
+}
+
+// readGuarded fills dst from the socket, entering g around each read. Once
+// g refuses, the remaining bytes are read and discarded so the stream stays
+// in step; it returns how many bytes landed in dst, g's refusal and any
+// socket error. Bytes past dst that the socket already holds are read into
+// tail (up to its length) in the same syscall; tailN says how many.
+func (c *rawConn) readGuarded(dst []byte, g guard, tail []byte) (landed, tailN int, refusal, err error) {
+	for landed < len(dst) {
+		nd, nt, refusal, err := c.readv(dst[landed:], tail[tailN:], g, true)
+		landed += nd
+		tailN += nt
+		if refusal != nil {
+			return landed, tailN, refusal, c.discard(len(dst) - landed)
+		}
+		if err != nil {
+			return landed, tailN, nil, err
+		}
+	}
+	return landed, tailN, nil, nil
+}
+
+// readv makes one non-blocking read into dst and then tail, entering g
+// around it when dst is not empty. When the socket holds nothing it waits for
+// it if wait is set, and otherwise returns 0, 0 and no error.
+func (c *rawConn) readv(dst, tail []byte, g guard, wait bool) (nd, nt int, refusal, err error) {
+	var n int
+	var opErr error
+	blocked := false
+	pollErr := c.rc.Read(func(fd uintptr) bool {
+		guarded := g != nil && len(dst) > 0
+		if guarded {
+			if e := g.Enter(); e != nil {
+				refusal = e
+				return true
+			}
+		}
+		for {
+			switch {
+			case len(tail) == 0:
+				n, opErr = unix.Read(int(fd), dst)
+			case len(dst) == 0:
+				n, opErr = unix.Read(int(fd), tail)
+			default:
+				n, opErr = unix.Readv(int(fd), [][]byte{dst, tail})
+			}
+			if opErr != unix.EINTR {
+				break
+			}
+		}
+		if guarded {
+			g.Leave()
+		}
+		if opErr == unix.EAGAIN {
+			if wait {
+				return false
+			}
+			blocked = true
+		}
+		return true
+	})
+	if refusal != nil {
+		return 0, 0, refusal, nil
+	}
+	if blocked && pollErr == nil {
+		return 0, 0, nil, nil
+	}
+	if err := sockErr(pollErr, opErr, n); err != nil {
+		return 0, 0, nil, err
+	}
+	nd = min(n, len(dst))
+	return nd, n - nd, nil, nil
+}
+
+// discard reads and drops n bytes.
+func (c *rawConn) discard(n int) error {
+	for n > 0 {
+		chunk := c.scratch[:min(n, len(c.scratch))]
+		var m int
+		var opErr error
+		rerr := c.rc.Read(func(fd uintptr) bool {
+			for {
+				m, opErr = unix.Read(int(fd), chunk)
+				if opErr != unix.EINTR {
+					break
+				}
+			}
+			return opErr != unix.EAGAIN
+		})
+		if err := sockErr(rerr, opErr, m); err != nil {
+			return err
+		}
+		n -= m
+	}
+	return nil
+}
+
+// writeGuarded writes hdr then payload in as few syscalls as the socket
+// allows, entering g around each write that reads payload. Once g refuses,
+// zeros stand in for the rest of the payload so the frame stays whole; it
+// returns how many payload bytes were sent from memory, g's refusal and any
+// socket error.
+func (c *rawConn) writeGuarded(hdr, payload []byte, g guard) (sent int, refusal error, err error) {
+	h := 0
+	for h < len(hdr) || sent < len(payload) {
+		var n int
+		var opErr error
+		werr := c.rc.Write(func(fd uintptr) bool {
+			usesPayload := sent < len(payload)
+			if usesPayload && g != nil {
+				if e := g.Enter(); e != nil {
+					refusal = e
+					return true
+				}
+			}
+			for {
+				switch {
+				case h == len(hdr):
+					n, opErr = unix.Write(int(fd), payload[sent:])
+				case usesPayload:
+					n, opErr = unix.Writev(int(fd), [][]byte{hdr[h:], payload[sent:]})
+				default:
+					n, opErr = unix.Write(int(fd), hdr[h:])
+				}
+				if opErr != unix.EINTR {
+					break
+				}
+			}
+			if usesPayload && g != nil {
+				g.Leave()
+			}
+			return opErr != unix.EAGAIN
+		})
+		if refusal != nil {
+			if h < len(hdr) {
+				if err := c.writeZeros(hdr[h:], 0); err != nil {
+					return sent, refusal, err
+				}
+			}
+			return sent, refusal, c.writeZeros(nil, len(payload)-sent)
+		}
+		if werr != nil {
+			return sent, nil, werr
+		}
+		if opErr != nil {
+			return sent, nil, opErr
+		}
+		hn := min(n, len(hdr)-h)
+		h += hn
+		sent += n - hn
+	}
+	return sent, nil, nil
+}
+
+// writeZeros writes prefix then n zero bytes.
+func (c *rawConn) writeZeros(prefix []byte, n int) error {
+	clear(c.scratch)
+	if len(prefix) > 0 {
+		if _, _, err := c.writeGuarded(prefix, nil, nil); err != nil {
+			return err
+		}
+	}
+	for n > 0 {
+		chunk := c.scratch[:min(n, len(c.scratch))]
+		if _, _, err := c.writeGuarded(nil, chunk, nil); err != nil {
+			return err
+		}
+		n -= len(chunk)
+	}
+	return nil
+}
+
+// sockErr turns the results of one raw read into an error: the netpoller's
+// (deadline, closed), the syscall's, or io.ErrUnexpectedEOF for a peer that
+// closed mid-stream.
+func sockErr(pollErr, opErr error, n int) error {
+	if pollErr != nil {
+		return pollErr
+	}
+	if opErr != nil {
+		return opErr
+	}
+	if n == 0 {
+		return io.ErrUnexpectedEOF
+	}
+	return nil
+}
+
+// isClosed reports whether err only says the connection was closed.
+func isClosed(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, unix.ECONNRESET) || errors.Is(err, syscall.EPIPE)
+}

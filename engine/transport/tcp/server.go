@@ -1,0 +1,251 @@
+package tcp
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/kvferry/kvferry/engine/transport"
+)
+
+// ownerConn is the owner's side of one connection.
+type ownerConn struct {
+	t    *Transport
+	conn *net.TCPConn
+	raw  *rawConn
+	// next holds the start of the next frame's header when a payload read
+	// pulled it in along with the payload's last bytes.
+	next     [HeaderSize]byte
+	nextFill int
+	// answers are WRITE_ACKs not yet written: they go out together when
+	// the socket has nothing more to read, or once enough piled up.
+	answers      []byte
+	answerBytes  uint64 // payload bytes the pending answers acknowledge
+	answerFrames int
+}
+
+// Answers are held back at most this long, in frames and in payload bytes
+// acknowledged, while more requests keep arriving.
+const (
+	maxHeldAnswers     = 32
+	maxHeldAnswerBytes = 1 << 20
+)
+
+// serve runs one owner-side connection: handshake, then frames in order until
+// the peer closes or breaks the protocol. Owner memory is touched only inside
+// Target.Enter/Leave around non-blocking syscalls.
+func (t *Transport) serve(conn *net.TCPConn) {
+	defer t.wg.Done()
+	defer conn.Close()
+	rc, err := conn.SyscallConn()
+	if err != nil {
+		return
+	}
+	c := &ownerConn{t: t, conn: conn, raw: newRawConn(rc)}
+	var h header
+	_ = conn.SetReadDeadline(time.Now().Add(t.opts.HandshakeTimeout))
+	if err := c.raw.readFull(c.next[:]); err != nil {
+		t.protoErr(conn, "handshake", err)
+		return
+	}
+	if err := h.decode(c.next[:]); err != nil || h.typ != frameHello {
+		t.protoErr(conn, "handshake", fmt.Errorf("%w: want HELLO, got type %d (%v)", errBadFrame, h.typ, err))
+		return
+	}
+	name := make([]byte, h.length)
+	if err := c.raw.readFull(name); err != nil {
+		t.protoErr(conn, "handshake", err)
+		return
+	}
+	_ = conn.SetReadDeadline(time.Time{})
+	initiator := string(name)
+	c.answer(&header{typ: frameHelloAck, seq: h.seq}, 0)
+	if err := c.flush(); err != nil {
+		return
+	}
+	var a transport.Access
+	for {
+		if err := c.readHeader(&h); err != nil {
+			if !isClosed(err) && !t.closing.Load() && !errors.Is(err, errBadFrame) {
+				t.opts.Logger.Debug("tcp: owner connection ended", "peer", initiator, "err", err)
+			} else if errors.Is(err, errBadFrame) {
+				t.protoErr(conn, initiator, err)
+			}
+			return
+		}
+		a = transport.Access{
+			Initiator: initiator, RequestID: h.requestID, Generation: h.generation,
+			GrantID: h.grantID, Key: h.key, Addr: h.addr, Length: uint64(h.length),
+		}
+		switch h.typ {
+		case frameWrite:
+			a.Op = transport.Write
+			err = c.serveWrite(&h, &a)
+		case frameRead:
+			a.Op = transport.Read
+			err = c.serveRead(&h, &a)
+		default:
+			err = fmt.Errorf("%w: unexpected type %d from an initiator", errBadFrame, h.typ)
+		}
+		if err != nil {
+			t.protoErr(conn, initiator, err)
+			return
+		}
+	}
+}
+
+// readHeader completes and decodes the next frame header. Before waiting for
+// the socket it writes the answers held back, so an initiator never waits on
+// an answer while we wait on it.
+func (c *ownerConn) readHeader(h *header) error {
+	for c.nextFill < HeaderSize {
+		_, n, _, err := c.raw.readv(nil, c.next[c.nextFill:], nil, len(c.answers) == 0)
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			if err := c.flush(); err != nil {
+				return err
+			}
+			continue
+		}
+		c.nextFill += n
+	}
+	c.nextFill = 0
+	return h.decode(c.next[:])
+}
+
+// answer queues an answer frame.
+func (c *ownerConn) answer(h *header, payload uint64) {
+	var hb [HeaderSize]byte
+	h.encode(hb[:])
+	c.answers = append(c.answers, hb[:]...)
+	c.answerFrames++
+	c.answerBytes += payload
+}
+
+// flush writes the answers held back, bounded by the I/O timeout.
+func (c *ownerConn) flush() error {
+	if len(c.answers) == 0 {
+		return nil
+	}
+	_ = c.conn.SetWriteDeadline(time.Now().Add(c.t.opts.IOTimeout))
+	_, _, err := c.raw.writeGuarded(c.answers, nil, nil)
+	c.answers, c.answerFrames, c.answerBytes = c.answers[:0], 0, 0
+	return err
+}
+
+// flushIfFull writes the held answers once enough piled up.
+func (c *ownerConn) flushIfFull() error {
+	if c.answerFrames >= maxHeldAnswers || c.answerBytes >= maxHeldAnswerBytes {
+		return c.flush()
+	}
+	return nil
+}
+
+// serveWrite applies one WRITE frame, or reads and drops its payload when
+// the access is refused, then answers WRITE_ACK with the bytes applied.
+func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
+	t := c.t
+	ack := header{typ: frameWriteAck, seq: h.seq, requestID: h.requestID, generation: h.generation}
+	tgt, err := t.owner.Admit(a)
+	if err != nil {
+		ack.status = statusOf(err)
+		t.stats.refused.Add(1)
+		if err := c.raw.discard(int(h.length)); err != nil {
+			return err
+		}
+		c.answer(&ack, 0)
+		return c.flushIfFull()
+	}
+	landed, tailN, refusal, err := c.raw.readGuarded(tgt.Bytes(), tgt, c.next[:])
+	if err != nil {
+		return err
+	}
+	c.nextFill = tailN
+	t.stats.bytesIn.Add(uint64(landed))
+	ack.done = uint64(landed)
+	if refusal != nil {
+		ack.status = statusOf(refusal)
+		t.stats.refused.Add(1)
+		t.stats.refusedInFlight.Add(1)
+	}
+	c.answer(&ack, uint64(landed))
+	return c.flushIfFull()
+}
+
+// serveRead answers one READ frame with READ_DATA and READ_DONE, or with
+// READ_DONE alone when the access is refused before any byte is sent. Held
+// answers go out in the same write as READ_DATA's header.
+func (c *ownerConn) serveRead(h *header, a *transport.Access) error {
+	t := c.t
+	done := header{typ: frameReadDone, seq: h.seq, requestID: h.requestID, generation: h.generation}
+	tgt, err := t.owner.Admit(a)
+	if err != nil {
+		done.status = statusOf(err)
+		t.stats.refused.Add(1)
+		c.answer(&done, 0)
+		return c.flushIfFull()
+	}
+	c.answer(&header{typ: frameReadData, seq: h.seq, requestID: h.requestID, generation: h.generation, length: h.length}, 0)
+	_ = c.conn.SetWriteDeadline(time.Now().Add(t.opts.IOTimeout))
+	sent, refusal, err := c.raw.writeGuarded(c.answers, tgt.Bytes(), tgt)
+	c.answers, c.answerFrames, c.answerBytes = c.answers[:0], 0, 0
+	if err != nil {
+		return err
+	}
+	t.stats.bytesOut.Add(uint64(sent))
+	done.done = uint64(sent)
+	if refusal != nil {
+		done.status = statusOf(refusal)
+		t.stats.refused.Add(1)
+		t.stats.refusedInFlight.Add(1)
+	}
+	c.answer(&done, uint64(sent))
+	return c.flushIfFull()
+}
+
+// protoErr logs and counts a connection that broke the protocol; the caller
+// then closes it, since a stream out of step cannot be resynchronised.
+func (t *Transport) protoErr(conn net.Conn, peer string, err error) {
+	if t.closing.Load() || isClosed(err) || errors.Is(err, net.ErrClosed) {
+		return
+	}
+	t.stats.protocolErrors.Add(1)
+	t.opts.Logger.Warn("tcp: dropping connection", "peer", peer, "remote", conn.RemoteAddr().String(), "err", err)
+}
+
+// connSet tracks live connections so Close can cut them.
+type connSet struct {
+	mu    sync.Mutex
+	conns map[net.Conn]struct{}
+}
+
+func (s *connSet) add(c net.Conn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.conns == nil {
+		return false
+	}
+	s.conns[c] = struct{}{}
+	return true
+}
+
+func (s *connSet) remove(c net.Conn) {
+	s.mu.Lock()
+	delete(s.conns, c)
+	s.mu.Unlock()
+}
+
+// closeAll closes every connection and refuses new ones.
+func (s *connSet) closeAll() {
+	s.mu.Lock()
+	conns := s.conns
+	s.conns = nil
+	s.mu.Unlock()
+	for c := range conns {
+		_ = c.Close()
+	}
+}

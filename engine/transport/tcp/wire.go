@@ -1,0 +1,169 @@
+package tcp
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+
+	"github.com/kvferry/kvferry/engine/memory"
+	"github.com/kvferry/kvferry/engine/transport"
+)
+
+// Frame layout (little endian, HeaderSize bytes, then Length payload bytes
+// for frames that carry one):
+//
+//	0  u16 magic      "KF"
+//	2  u8  version    1
+//	3  u8  type       frameHello ... frameReadDone
+//	4  u32 status     0 in requests; the owner's verdict in answers
+//	8  u64 seq        the initiator's slice number on this connection
+//	16 u64 request id
+//	24 u32 generation
+//	28 u32 length     payload bytes (WRITE, READ_DATA, HELLO); bytes asked (READ)
+//	32 u64 buffer key
+//	40 u64 address    owner address
+//	48 u64 grant id
+//	56 u64 done       bytes applied (WRITE_ACK) or valid (READ_DONE)
+const (
+	HeaderSize   = 64
+	magic        = 0x464b // "KF"
+	version      = 1
+	maxHelloName = 1024
+	// MaxSliceLength bounds the length of one WRITE or READ frame.
+	MaxSliceLength = 64 << 20
+)
+
+// Frame types.
+const (
+	frameHello    = 1 // initiator -> owner, payload: the initiator's segment name
+	frameHelloAck = 2 // owner -> initiator
+	frameWrite    = 3 // initiator -> owner, payload: the bytes to write
+	frameWriteAck = 4 // owner -> initiator, after the bytes were applied or refused
+	frameRead     = 5 // initiator -> owner
+	frameReadData = 6 // owner -> initiator, payload: the bytes read (zeros past a refusal)
+	frameReadDone = 7 // owner -> initiator, after READ_DATA or instead of it
+)
+
+// Statuses in answers. Every non-zero status is a refusal, final for its
+// request.
+const (
+	statusOK            = 0
+	statusStaleKey      = 1
+	statusOutOfBounds   = 2
+	statusUnregistered  = 3
+	statusRefused       = 4
+	statusBadRequest    = 5
+	maxKnownStatus      = statusBadRequest
+)
+
+// header is a decoded frame header.
+type header struct {
+	typ        uint8
+	status     uint32
+	seq        uint64
+	requestID  uint64
+	generation uint32
+	length     uint32
+	key        memory.Key
+	addr       uint64
+	grantID    uint64
+	done       uint64
+}
+
+// errBadFrame marks a frame that cannot be parsed; the connection is then
+// out of step and must be closed.
+var errBadFrame = fmt.Errorf("%w: bad frame", transport.ErrProtocol)
+
+func (h *header) encode(b []byte) {
+	_ = b[HeaderSize-1]
+	binary.LittleEndian.PutUint16(b[0:], magic)
+	b[2] = version
+	b[3] = h.typ
+	binary.LittleEndian.PutUint32(b[4:], h.status)
+	binary.LittleEndian.PutUint64(b[8:], h.seq)
+	binary.LittleEndian.PutUint64(b[16:], h.requestID)
+	binary.LittleEndian.PutUint32(b[24:], h.generation)
+	binary.LittleEndian.PutUint32(b[28:], h.length)
+	binary.LittleEndian.PutUint64(b[32:], uint64(h.key))
+	binary.LittleEndian.PutUint64(b[40:], h.addr)
+	binary.LittleEndian.PutUint64(b[48:], h.grantID)
+	binary.LittleEndian.PutUint64(b[56:], h.done)
+}
+
+// decode parses and validates a header: magic, version, type, lengths.
+func (h *header) decode(b []byte) error {
+	if len(b) < HeaderSize {
+		return fmt.Errorf("%w: %d header bytes", errBadFrame, len(b))
+	}
+	if m := binary.LittleEndian.Uint16(b[0:]); m != magic {
+		return fmt.Errorf("%w: magic %#x", errBadFrame, m)
+	}
+	if v := b[2]; v != version {
+		return fmt.Errorf("%w: version %d, want %d", errBadFrame, v, version)
+	}
+	h.typ = b[3]
+	h.status = binary.LittleEndian.Uint32(b[4:])
+	h.seq = binary.LittleEndian.Uint64(b[8:])
+	h.requestID = binary.LittleEndian.Uint64(b[16:])
+	h.generation = binary.LittleEndian.Uint32(b[24:])
+	h.length = binary.LittleEndian.Uint32(b[28:])
+	h.key = memory.Key(binary.LittleEndian.Uint64(b[32:]))
+	h.addr = binary.LittleEndian.Uint64(b[40:])
+	h.grantID = binary.LittleEndian.Uint64(b[48:])
+	h.done = binary.LittleEndian.Uint64(b[56:])
+	switch h.typ {
+	case frameHello:
+		if h.length == 0 || h.length > maxHelloName {
+			return fmt.Errorf("%w: hello name of %d bytes", errBadFrame, h.length)
+		}
+	case frameWrite, frameRead, frameReadData:
+		if h.length == 0 || h.length > MaxSliceLength {
+			return fmt.Errorf("%w: length %d", errBadFrame, h.length)
+		}
+	case frameHelloAck, frameWriteAck, frameReadDone:
+		if h.length != 0 {
+			return fmt.Errorf("%w: length %d on a frame without payload", errBadFrame, h.length)
+		}
+	default:
+		return fmt.Errorf("%w: type %d", errBadFrame, h.typ)
+	}
+	if h.status > maxKnownStatus {
+		return fmt.Errorf("%w: status %d", errBadFrame, h.status)
+	}
+	return nil
+}
+
+// statusOf maps an owner-side admission error to its wire status.
+func statusOf(err error) uint32 {
+	switch {
+	case err == nil:
+		return statusOK
+	case errors.Is(err, memory.ErrStaleKey):
+		return statusStaleKey
+	case errors.Is(err, memory.ErrOutOfBounds):
+		return statusOutOfBounds
+	case errors.Is(err, memory.ErrUnregistered):
+		return statusUnregistered
+	case errors.Is(err, memory.ErrInvalidRange):
+		return statusBadRequest
+	}
+	return statusRefused
+}
+
+// errOf maps a wire status back to an error matchable with errors.Is, both
+// as a refusal and as the registry's reason.
+func errOf(st uint32) error {
+	switch st {
+	case statusOK:
+		return nil
+	case statusStaleKey:
+		return fmt.Errorf("%w: %w", transport.ErrRefused, memory.ErrStaleKey)
+	case statusOutOfBounds:
+		return fmt.Errorf("%w: %w", transport.ErrRefused, memory.ErrOutOfBounds)
+	case statusUnregistered:
+		return fmt.Errorf("%w: %w", transport.ErrRefused, memory.ErrUnregistered)
+	case statusBadRequest:
+		return fmt.Errorf("%w: %w", transport.ErrRefused, memory.ErrInvalidRange)
+	}
+	return transport.ErrRefused
+}

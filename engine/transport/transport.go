@@ -1,0 +1,192 @@
+// Package transport defines what the engine asks of a transport (tcp, local,
+// later rdma) and the types both sides share: a Slice to move, an Access to
+// check at the owner, and the Owner that checks it.
+//
+// A transport moves one-sided WRITEs and READs between memory the initiator
+// registered and a range the owner registered, named by a buffer key. The
+// owner decides, chunk by chunk, whether an access may proceed; the initiator
+// learns the outcome of each slice through its Done callback. Optional
+// abilities (a fence on the owner's side, GPU memory) are separate interfaces
+// found by type assertion, so this one stays small.
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+
+	"github.com/kvferry/kvferry/engine/memory"
+)
+
+// Op is the direction of a transfer, seen from the initiator.
+type Op uint8
+
+// The operations.
+const (
+	Read  Op = 1 // copy owner memory into initiator memory
+	Write Op = 2 // copy initiator memory into owner memory
+)
+
+func (o Op) String() string {
+	switch o {
+	case Read:
+		return "READ"
+	case Write:
+		return "WRITE"
+	}
+	return fmt.Sprintf("Op(%d)", uint8(o))
+}
+
+// Errors a transport reports; match them with errors.Is. Refusals by the
+// owner are final for their request (SAFETY.md promise 6); connection errors
+// may be retried on another path.
+var (
+	ErrRefused    = errors.New("refused by the owner")
+	ErrConnection = errors.New("connection failed")
+	ErrCanceled   = errors.New("slice canceled")
+	ErrClosed     = errors.New("transport closed")
+	ErrProtocol   = errors.New("protocol violation")
+)
+
+// Retryable reports whether a slice that failed with err may be posted again
+// on another path: only connection failures may, never a refusal.
+func Retryable(err error) bool {
+	return errors.Is(err, ErrConnection) && !errors.Is(err, ErrRefused)
+}
+
+// Access is one peer access to owner memory, as read from the wire.
+type Access struct {
+	Op         Op
+	Initiator  string // the peer's segment name, from its handshake
+	RequestID  uint64
+	Generation uint32
+	GrantID    uint64
+	Key        memory.Key
+	Addr       uint64
+	Length     uint64
+}
+
+// Owner checks accesses to this engine's memory. The engine implements it
+// with its registry (and, with safe abort, its per-request state).
+type Owner interface {
+	// Admit checks an access before any byte moves. On success the
+	// transport copies through the returned Target, entering it around
+	// each chunk.
+	Admit(a *Access) (Target, error)
+}
+
+// Target is owner memory admitted for one access.
+type Target interface {
+	// Enter is called before each chunk is copied and fails once the
+	// access may no longer proceed (memory unregistered, request aborted);
+	// the rest of the access is then refused. Enter must be paired with
+	// Leave and must not be held across a blocking wait.
+	Enter() error
+	// Leave ends the chunk begun by Enter.
+	Leave()
+	// Bytes is the whole admitted range; touch it only between Enter and
+	// Leave.
+	Bytes() []byte
+}
+
+// Slice states. A slice moves forward only: Queued -> Active -> Sent ->
+// (Receiving) -> Done, or to Canceled from Queued or Sent.
+const (
+	StateQueued    int32 = iota // waiting in the path's queue
+	StateActive                 // the path is reading or writing our memory for it
+	StateSent                   // on the wire, awaiting the owner's answer
+	StateReceiving              // READ data is being copied into our memory
+	StateDone                   // ended; Done was called
+	StateCanceled               // canceled before or after the wire; our memory is not touched again
+)
+
+// Slice is one contiguous piece of a transfer, the unit a path moves.
+type Slice struct {
+	Op         Op
+	Local      []byte         // initiator memory (a view of a registered region)
+	LocalReg   *memory.Region // pinned around each copy into or out of Local
+	Key        memory.Key     // owner's buffer key the slice was planned against
+	Remote     uint64         // owner address
+	RequestID  uint64
+	Generation uint32
+	GrantID    uint64
+
+	// Done is called exactly once when the slice ends, with nil or the
+	// reason it failed. It must not block.
+	Done func(s *Slice, err error)
+	// Tag is the engine's, untouched by transports.
+	Tag any
+
+	state atomic.Int32
+}
+
+// State returns the slice's current state.
+func (s *Slice) State() int32 { return s.state.Load() }
+
+// Reset prepares a slice to be posted (again).
+func (s *Slice) Reset() { s.state.Store(StateQueued) }
+
+// Advance moves the slice from one state to another; it fails when the slice
+// is no longer in from (it was canceled or completed meanwhile).
+func (s *Slice) Advance(from, to int32) bool { return s.state.CompareAndSwap(from, to) }
+
+// Finish ends the slice with err unless it already ended or was canceled,
+// and reports whether this call ended it (and so called Done).
+func (s *Slice) Finish(err error) bool {
+	for {
+		st := s.state.Load()
+		if st == StateDone || st == StateCanceled {
+			return false
+		}
+		if s.state.CompareAndSwap(st, StateDone) {
+			s.Done(s, err)
+			return true
+		}
+	}
+}
+
+// TryCancel cancels a slice that is queued or already on the wire, so no
+// path touches its memory again, and reports whether it did. It fails while
+// a path is copying (Active, Receiving) or after the slice ended; the caller
+// then stops the path (Endpoint.Abort) and waits for Done.
+func (s *Slice) TryCancel() bool {
+	return s.state.CompareAndSwap(StateQueued, StateCanceled) || s.state.CompareAndSwap(StateSent, StateCanceled)
+}
+
+// Transport creates endpoints to peers and serves peers' accesses.
+type Transport interface {
+	// Name is the transport's name in segment descriptors ("tcp").
+	Name() string
+	// Listen starts serving peers' accesses to owner memory and returns
+	// the address peers dial. It is called at most once.
+	Listen(owner Owner) (addr string, err error)
+	// Dial opens one path to a peer's listening address. self is our
+	// segment name, which the owner uses to tell initiators apart.
+	Dial(ctx context.Context, addr, self string) (Endpoint, error)
+	// Close stops serving and returns once no owner-side copy runs.
+	Close() error
+}
+
+// Endpoint is one path to a peer (a connection, later a QP).
+type Endpoint interface {
+	// Post queues slices in order. Each ends by exactly one call of its
+	// Done, unless it was canceled first by TryCancel.
+	Post(slices []*Slice)
+	// Abort stops the path now: copies in progress stop, and every slice
+	// not yet ended fails with ErrConnection. It returns once the path no
+	// longer touches any slice's memory. The endpoint is dead afterwards.
+	Abort(reason error)
+	// Dead reports whether the path failed or was aborted; the engine
+	// then dials a new one.
+	Dead() bool
+	// Close is Abort with ErrClosed.
+	Close() error
+}
+
+// Fencer is an optional ability of transports whose owner-side memory is
+// written by hardware (RDMA): cut every path from one initiator so that no
+// further access of it executes, without the initiator's help.
+type Fencer interface {
+	Fence(ctx context.Context, initiator string) error
+}

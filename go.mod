@@ -1,0 +1,9 @@
+module github.com/kvferry/kvferry
+
+go 1.26.0
+
+require (
+	github.com/klauspost/compress v1.20.4
+	github.com/pebbe/zmq4 v1.4.0
+	golang.org/x/sys v0.50.0
+)

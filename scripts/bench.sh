@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Compares kvferry-bench loopback with the raw-tcp baseline (and iperf3) in
+# one run, as ratios: identical runs on these machines differ by up to 1.6x,
+# so only figures from the same run are compared. Each pair runs ROUNDS times,
+# alternating, and the medians are compared.
+#   scripts/bench.sh                 # 64 KiB, 1 MiB, 4 MiB; write and read
+#   BLOCKS="65536" OPS=write ROUNDS=5 DURATION=3 scripts/bench.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BENCH=${BENCH:-bin/kvferry-bench}
+BLOCKS=${BLOCKS:-"65536 1048576 4194304"}
+OPS=${OPS:-"write read"}
+THREADS=${THREADS:-4}
+ROUNDS=${ROUNDS:-3}
+DURATION=${DURATION:-3}
+MODE=${MODE:-loopback}        # or initiator, with SEGMENT=host:port of a running target
+SEGMENT=${SEGMENT:-}
+
+gbps() { sed -n 's/.* gbps=\([0-9.]*\).*/\1/p'; }
+median() { sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+
+iperf_gbps() { # one iperf3 run, $1 = block size; prints GB/s (1e9 bytes)
+  command -v iperf3 >/dev/null || { echo "n/a"; return; }
+  local port=$((20000 + RANDOM % 20000))
+  iperf3 -s -1 -p "$port" >/dev/null 2>&1 &
+  local srv=$!
+  sleep 0.3
+  iperf3 -c 127.0.0.1 -p "$port" -l "$1" -P "$THREADS" -t "$DURATION" -J 2>/dev/null |
+    python3 -c 'import json,sys; print("%.3f" % (json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/8e9))' || echo "n/a"
+  wait "$srv" 2>/dev/null || true
+}
+
+printf "%-6s %-9s %10s %10s %10s %8s\n" op block kvferry raw-tcp iperf3 ratio
+for op in $OPS; do
+  for bs in $BLOCKS; do
+    k=(); r=()
+    for _ in $(seq "$ROUNDS"); do
+      args=(--mode "$MODE" --op "$op" --block-size "$bs" --threads "$THREADS" --duration "$DURATION")
+      [ -n "$SEGMENT" ] && args+=(--segment "$SEGMENT")
+      out=$("$BENCH" "${args[@]}") || { echo "$out"; exit 1; }
+      grep -q "integrity: ok" <<<"$out" || { echo "$out"; echo "integrity check missing"; exit 1; }
+      k+=("$(gbps <<<"$out")")
+      r+=("$("$BENCH" --mode raw-tcp --block-size "$bs" --threads "$THREADS" --duration "$DURATION" | gbps)")
+    done
+    km=$(printf "%s\n" "${k[@]}" | median); rm_=$(printf "%s\n" "${r[@]}" | median)
+    ip=$(iperf_gbps "$bs")
+    printf "%-6s %-9s %10s %10s %10s %8s\n" "$op" "$bs" "$km" "$rm_" "$ip" "$(python3 -c "print('%.2fx' % ($km/$rm_))")"
+  done
+done

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs what a fresh Debian 12 machine lacks to build and test kvferry.
+# Idempotent and quiet when everything is present; installs as root.
+set -euo pipefail
+
+apt_pkgs=(libzmq3-dev libibverbs-dev pkg-config cmake ninja-build g++ iperf3 python3 python3-pip)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "deps: missing Debian packages: ${missing[*]}; run 'make deps' as root" >&2
+    exit 1
+  fi
+  echo "deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v go >/dev/null 2>&1; then
+  echo "deps: no Go toolchain on PATH (need Go 1.24 or newer; Debian 12's golang package is too old)" >&2
+  exit 1
+fi
+# Go modules (cached after the first run).
+go mod download
