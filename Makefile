@@ -39,10 +39,10 @@ test-race:
 
 # Each fuzz target for FUZZTIME, from its committed seed corpus.
 fuzz-short:
-	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeEnvelope$$' -fuzztime=$(FUZZTIME)
-	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeDescriptor$$' -fuzztime=$(FUZZTIME)
-	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzUnpackBody$$' -fuzztime=$(FUZZTIME)
-	$(GO) test ./engine/transport/tcp -run='^$$' -fuzz='^FuzzHeaderDecode$$' -fuzztime=$(FUZZTIME)
+	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeEnvelope$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeDescriptor$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzUnpackBody$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/transport/tcp -run='^$$' -fuzz='^FuzzHeaderDecode$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 
 # Throughput against the raw-tcp baseline of the same run, and Go benchmarks.
 bench: build

@@ -5,6 +5,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/kvferry/kvferry/engine/control"
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/transport"
 )
@@ -65,6 +66,9 @@ func (e *Engine) RegisterMemoryBatch(ranges []MemoryRange) ([]BufferKey, error) 
 // resolveLocation validates a location and turns "*" into what the memory
 // is.
 func resolveLocation(loc string, mem []byte) (string, error) {
+	if len(loc) > control.MaxLocation {
+		return "", fmt.Errorf("%w: location of %d bytes (at most %d)", ErrInvalidArg, len(loc), control.MaxLocation)
+	}
 	switch {
 	case loc == "" || loc == "cpu":
 		return "cpu", nil

@@ -31,11 +31,18 @@ type Buffer struct {
 	Location string
 }
 
+// MaxLocation is the longest location string ("cpu:12", "cuda:3") a
+// registration may carry.
+const MaxLocation = 32
+
 // Limits of a descriptor, checked before anything is allocated.
 const (
 	maxString     = 255
 	maxTransports = 16
-	maxBuffers    = 1 << 20
+	// MaxBuffers is the most buffers a descriptor holds: with locations
+	// of up to MaxLocation bytes it then still fits MaxBody.
+	MaxBuffers    = 1 << 18
+	maxBuffers    = MaxBuffers
 	bufferMinSize = 8 + 8 + 8 + 1
 	descMagic     = 0x4453 // "SD"
 )

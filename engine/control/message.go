@@ -25,7 +25,7 @@ import (
 //	2  u8  version  ProtocolVersion
 //	3  u8  type     a MsgType
 //	4  u8  flags    FlagZstd: the body is zstd-compressed
-//	5  u8  status   0, or an error code in replies
+//	5  u8  reserved, zero
 //	6  u16 reserved, zero
 //	8  u64 correlation id, echoed in the reply
 const (
@@ -71,6 +71,11 @@ func (t MsgType) String() string {
 	return fmt.Sprintf("MsgType(%d)", uint8(t))
 }
 
+// IsReply reports whether t answers a request.
+func (t MsgType) IsReply() bool {
+	return t == MsgDescriptor || t == MsgPong || t == MsgError
+}
+
 // FlagZstd marks a compressed body.
 const FlagZstd = 1
 
@@ -114,6 +119,9 @@ func DecodeEnvelope(b []byte) (Envelope, error) {
 	e.Flags = b[4]
 	if e.Flags&^FlagZstd != 0 {
 		return e, fmt.Errorf("%w: flags %#x", ErrMalformed, e.Flags)
+	}
+	if b[5] != 0 || b[6] != 0 || b[7] != 0 {
+		return e, fmt.Errorf("%w: reserved bytes %#x %#x %#x are not zero", ErrMalformed, b[5], b[6], b[7])
 	}
 	e.Corr = binary.LittleEndian.Uint64(b[8:])
 	return e, nil

@@ -2,6 +2,8 @@ package control
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -47,6 +49,13 @@ type reply struct {
 	body []byte
 }
 
+// waiter is a request waiting for its reply: only a reply from the peer it
+// was sent to, with its correlation id, is taken.
+type waiter struct {
+	peer string
+	ch   chan reply
+}
+
 // Plane is one engine's control plane. Request and Close are safe for
 // concurrent use; everything touching a socket runs on one goroutine.
 type Plane struct {
@@ -67,7 +76,7 @@ type Plane struct {
 
 	corr    atomic.Uint64
 	waitMu  sync.Mutex
-	waiting map[uint64]chan reply
+	waiting map[uint64]waiter
 
 	stats counters
 	done  chan struct{}
@@ -84,7 +93,13 @@ func Listen(host string, port int, log *slog.Logger) (*Plane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("control: zmq context: %w", err)
 	}
-	p := &Plane{log: log, zctx: zctx, handlers: map[MsgType]Handler{}, waiting: map[uint64]chan reply{}, done: make(chan struct{})}
+	p := &Plane{log: log, zctx: zctx, handlers: map[MsgType]Handler{}, waiting: map[uint64]waiter{}, done: make(chan struct{})}
+	// Correlation ids start at random, so a restarted engine on the same
+	// port never takes a late reply meant for its previous run.
+	var seed [8]byte
+	if _, err := rand.Read(seed[:]); err == nil {
+		p.corr.Store(binary.LittleEndian.Uint64(seed[:]) >> 1)
+	}
 	fail := func(err error) (*Plane, error) {
 		p.closeSockets()
 		_ = zctx.Term()
@@ -167,7 +182,7 @@ func (p *Plane) Request(ctx context.Context, peer string, t MsgType, body []byte
 	corr := p.corr.Add(1)
 	ch := make(chan reply, 1)
 	p.waitMu.Lock()
-	p.waiting[corr] = ch
+	p.waiting[corr] = waiter{peer: peer, ch: ch}
 	p.waitMu.Unlock()
 	defer func() {
 		p.waitMu.Lock()
@@ -312,7 +327,7 @@ func (p *Plane) loop() {
 			}
 			if d == nil {
 				if d, err = p.dial(o.peer); err != nil {
-					p.deliver(o.corr, reply{env: Envelope{Type: MsgError}, body: []byte(err.Error())})
+					p.deliver(o.corr, o.peer, reply{env: Envelope{Type: MsgError}, body: []byte(err.Error())})
 					continue
 				}
 				dealers[o.peer] = d
@@ -321,7 +336,7 @@ func (p *Plane) loop() {
 			}
 			if _, err := d.SendMessageDontwait(toParts(o.frames)...); err != nil {
 				p.stats.sendFails.Add(1)
-				p.deliver(o.corr, reply{env: Envelope{Type: MsgError}, body: []byte("send: " + err.Error())})
+				p.deliver(o.corr, o.peer, reply{env: Envelope{Type: MsgError}, body: []byte("send: " + err.Error())})
 			}
 		}
 	}
@@ -429,6 +444,9 @@ func (p *Plane) drainDealer(d *zmq.Socket, peer string) {
 			continue
 		}
 		env, err := DecodeEnvelope(frames[0])
+		if err == nil && !env.Type.IsReply() {
+			err = fmt.Errorf("%w: %s is not a reply", ErrMalformed, env.Type)
+		}
 		if err != nil {
 			p.malformed("reply", peer, err)
 			continue
@@ -440,22 +458,25 @@ func (p *Plane) drainDealer(d *zmq.Socket, peer string) {
 				continue
 			}
 		}
-		p.deliver(env.Corr, reply{env: env, body: body})
+		p.deliver(env.Corr, peer, reply{env: env, body: body})
 	}
 }
 
-// deliver hands a reply to the request waiting for it; a reply nobody waits
-// for (late, duplicate) is dropped and counted.
-func (p *Plane) deliver(corr uint64, r reply) {
+// deliver hands a reply from peer to the request waiting for it; a reply
+// nobody waits for (late, duplicate, or from another peer) is dropped and
+// counted.
+func (p *Plane) deliver(corr uint64, peer string, r reply) {
 	p.waitMu.Lock()
-	ch := p.waiting[corr]
-	delete(p.waiting, corr)
+	w, ok := p.waiting[corr]
+	if ok && w.peer == peer {
+		delete(p.waiting, corr)
+	}
 	p.waitMu.Unlock()
-	if ch == nil {
+	if !ok || w.peer != peer {
 		p.stats.unmatched.Add(1)
 		return
 	}
-	ch <- r
+	w.ch <- r
 }
 
 func (p *Plane) malformed(what, peer string, err error) {

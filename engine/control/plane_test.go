@@ -127,7 +127,6 @@ func rawSocket(t *testing.T, c *zmq.Context, typ zmq.Type) *zmq.Socket {
 	must(t, s.SetLinger(0))
 	must(t, s.SetRcvtimeo(5*time.Second))
 	must(t, s.SetSndtimeo(5*time.Second))
-	must(t, s.SetIpv6(true))
 	return s
 }
 
@@ -135,6 +134,7 @@ func rawSocket(t *testing.T, c *zmq.Context, typ zmq.Type) *zmq.Socket {
 func rawDealer(t *testing.T, c *zmq.Context, peer string) *zmq.Socket {
 	t.Helper()
 	d := rawSocket(t, c, zmq.DEALER)
+	must(t, d.SetIpv6(strings.HasPrefix(peer, "[")))
 	must(t, d.Connect("tcp://"+peer))
 	return d
 }
@@ -489,11 +489,12 @@ func TestPlaneSurvivesMalformedRequests(t *testing.T) {
 func TestPlaneOversizedFrameDropsConnection(t *testing.T) {
 	p := newPlane(t, "127.0.0.1")
 	c := zctx(t)
-	d := rawDealer(t, c, p.Name())
+	d := rawSocket(t, c, zmq.DEALER)
 	mon := fmt.Sprintf("inproc://oversize-monitor-%p", d)
 	must(t, d.Monitor(mon, zmq.EVENT_CONNECTED|zmq.EVENT_DISCONNECTED))
 	events := rawSocket(t, c, zmq.PAIR)
 	must(t, events.Connect(mon))
+	must(t, d.Connect("tcp://"+p.Name()))
 	// Connected first, so the disconnect below is the plane's doing.
 	nextEvent := func(want zmq.Event) {
 		t.Helper()
@@ -617,8 +618,8 @@ func TestPlaneMalformedAndDuplicateReplies(t *testing.T) {
 	}
 	bad := [][][]byte{
 		{[]byte("short")},
-		{env(control.MsgPong, 0, e.Corr), []byte("a"), []byte("b")},                // 3 frames
-		{env(control.MsgPong, 0, e.Corr), []byte("a"), []byte("b"), []byte("c")},   // 4 frames
+		{env(control.MsgPong, 0, e.Corr), []byte("a"), []byte("b")},              // 3 frames
+		{env(control.MsgPong, 0, e.Corr), []byte("a"), []byte("b"), []byte("c")}, // 4 frames
 		{envelope(0x4b43, control.ProtocolVersion, uint8(control.MsgPong), 0, 0, 0, e.Corr)},
 		{envelope(envMagic, 9, uint8(control.MsgPong), 0, 0, 0, e.Corr)},
 		{envelope(envMagic, control.ProtocolVersion, 77, 0, 0, 0, e.Corr)},

@@ -84,6 +84,13 @@ func (r *Region) Leave() { r.pin.RUnlock() }
 // Dead reports whether the region was unregistered.
 func (r *Region) Dead() bool { return r.dead.Load() }
 
+// MaxRegions caps the registrations of one registry, so that its segment
+// descriptor always fits one control message.
+const MaxRegions = 1 << 18
+
+// ErrTooMany is returned when a registration would pass MaxRegions.
+var ErrTooMany = errors.New("too many registrations")
+
 // Range describes memory to register.
 type Range struct {
 	Mem      []byte
@@ -145,6 +152,9 @@ func (g *Registry) Register(ranges []Range) ([]*Region, error) {
 	}
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	if len(g.byAddr)+len(regs) > MaxRegions {
+		return nil, fmt.Errorf("%w: %d registered, %d more asked, at most %d", ErrTooMany, len(g.byAddr), len(regs), MaxRegions)
+	}
 	for _, r := range sorted {
 		if o := g.overlapLocked(r.Addr, r.Len); o != nil {
 			return nil, fmt.Errorf("%w: [%#x, %#x) overlaps registered [%#x, %#x)", ErrOverlap,
