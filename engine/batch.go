@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/transport"
 )
 
@@ -295,6 +296,10 @@ func (s *sliceT) retry() {
 		if s.TryCancel() {
 			t.sliceEnded(s, transport.ErrCanceled)
 		}
+		return
+	}
+	if s.LocalReg.Dead() {
+		s.Finish(fmt.Errorf("local memory [%#x, +%d): %w", memory.AddrOf(s.Local), len(s.Local), memory.ErrUnregistered))
 		return
 	}
 	seg := t.req.Segment

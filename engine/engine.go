@@ -73,9 +73,9 @@ type Engine struct {
 }
 
 type engineCounters struct {
-	bytesWritten, bytesRead                              atomic.Uint64
+	bytesWritten, bytesRead                             atomic.Uint64
 	tasksCompleted, tasksFailed, tasksCanceled, retries atomic.Uint64
-	tasksInFlight                                        atomic.Int64
+	tasksInFlight                                       atomic.Int64
 }
 
 // New starts an engine: it binds the control plane on opts.Host:opts.Port

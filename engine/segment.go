@@ -53,8 +53,8 @@ type Segment struct {
 
 	mu     sync.Mutex
 	paths  []*pathRef // PathsPerPeer entries, nil until dialed
-	addr   string               // data-plane address
-	closed error                // set by shutdown
+	addr   string     // data-plane address
+	closed error      // set by shutdown
 	next   atomic.Uint32
 
 	misses atomic.Int32

@@ -45,11 +45,13 @@ type Region struct {
 	base unsafe.Pointer
 	keep []byte // holds Go-visible memory alive for as long as it is registered
 
-	// pin is read-locked around every chunk a transport copies into or out
-	// of the region and write-locked once by Unregister, which therefore
-	// returns only after the last chunk in progress finished.
-	pin  sync.RWMutex
-	dead atomic.Bool
+	// active counts copies in progress (Enter without Leave yet). Enter
+	// never blocks, so a copy may hold several regions (or one region
+	// twice) at once without risking a deadlock with an Unregister.
+	active atomic.Int64
+	dead   atomic.Bool
+	idleMu sync.Mutex
+	idle   *sync.Cond // signalled when active drops to 0 after dead is set
 }
 
 // End returns the first address past the region.
@@ -67,19 +69,37 @@ func (r *Region) Bytes(addr, n uint64) []byte {
 }
 
 // Enter keeps the region registered until Leave; it fails once Unregister
-// has begun. Hold it only around a copy that cannot block for long (a
-// non-blocking syscall, a memcpy).
+// has begun. It never blocks. Hold it only around a copy that cannot block
+// for long (a non-blocking syscall, a memcpy).
 func (r *Region) Enter() error {
-	r.pin.RLock()
+	r.active.Add(1)
 	if r.dead.Load() {
-		r.pin.RUnlock()
+		r.Leave()
 		return ErrUnregistered
 	}
 	return nil
 }
 
 // Leave ends an Enter.
-func (r *Region) Leave() { r.pin.RUnlock() }
+func (r *Region) Leave() {
+	if r.active.Add(-1) == 0 && r.dead.Load() {
+		r.idleMu.Lock()
+		r.idle.Broadcast()
+		r.idleMu.Unlock()
+	}
+}
+
+// retire refuses new copies and waits for those in progress. Go's atomics
+// are sequentially consistent: either an Enter sees dead, or this sees its
+// count.
+func (r *Region) retire() {
+	r.dead.Store(true)
+	r.idleMu.Lock()
+	for r.active.Load() != 0 {
+		r.idle.Wait()
+	}
+	r.idleMu.Unlock()
+}
 
 // Dead reports whether the region was unregistered.
 func (r *Region) Dead() bool { return r.dead.Load() }
@@ -141,6 +161,7 @@ func (g *Registry) Register(ranges []Range) ([]*Region, error) {
 			Addr: addr, Len: uint64(len(rg.Mem)), Location: rg.Location,
 			base: unsafe.Pointer(unsafe.SliceData(rg.Mem)), keep: rg.Mem,
 		}
+		regs[i].idle = sync.NewCond(&regs[i].idleMu)
 	}
 	sorted := append([]*Region(nil), regs...)
 	sort.Slice(sorted, func(i, j int) bool { return sorted[i].Addr < sorted[j].Addr })
@@ -221,9 +242,7 @@ func (g *Registry) Unregister(addrs []uint64) ([]*Region, error) {
 	g.byAddr = kept
 	g.mu.Unlock()
 	for _, r := range regs {
-		r.pin.Lock()
-		r.dead.Store(true)
-		r.pin.Unlock()
+		r.retire()
 		r.keep = nil
 	}
 	return regs, nil

@@ -19,16 +19,19 @@ func TestConformance(t *testing.T) {
 		if err != nil {
 			t.Fatalf("listen: %v", err)
 		}
-		t.Cleanup(func() { _ = ownerSide.Close() })
 		initiatorSide := tcp.New(tcp.Options{})
-		t.Cleanup(func() { _ = initiatorSide.Close() })
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		ep, err := initiatorSide.Dial(ctx, addr, "initiator:1")
 		if err != nil {
+			_ = ownerSide.Close()
 			t.Fatalf("dial %s: %v", addr, err)
 		}
+		// Cleanups run last first: the owner's side closes first, so a
+		// path left stuck by a failed subtest is cut rather than waited for.
 		t.Cleanup(func() { _ = ep.Close() })
+		t.Cleanup(func() { _ = initiatorSide.Close() })
+		t.Cleanup(func() { _ = ownerSide.Close() })
 		return ep
 	})
 }

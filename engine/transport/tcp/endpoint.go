@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/transport"
 )
 
@@ -23,19 +24,20 @@ type endpoint struct {
 	queue   []*transport.Slice
 	closed  bool // no more posts; set once the goroutines ended
 	wake    chan struct{}
-	pending sync.Map // seq -> *transport.Slice; ends in order, but a map keeps lookups honest
-	seq     uint64   // sender only
+	pending sync.Map     // seq -> *transport.Slice; ends in order, but a map keeps lookups honest
+	seq     uint64       // sender only
 	reads   atomic.Int32 // READ slices sent and not yet READ_DONE
 
 	// The receiver's buffer of answer headers.
 	inBuf          [4096]byte
 	inStart, inEnd int
 
-	dead     atomic.Bool
-	failOnce sync.Once
-	reason   error
-	wg       sync.WaitGroup
-	finished chan struct{}
+	dead       atomic.Bool
+	deadlineMu sync.Mutex // orders armWrite against fail
+	failOnce   sync.Once
+	reason     error
+	wg         sync.WaitGroup
+	finished   chan struct{}
 }
 
 func newEndpoint(t *Transport, conn *net.TCPConn, self string) (*endpoint, error) {
@@ -97,11 +99,21 @@ func (ep *endpoint) failure() error {
 	return fmt.Errorf("tcp %s: %w: %w", ep.conn.RemoteAddr(), transport.ErrConnection, ep.reason)
 }
 
-// send writes queued slices in order.
+// Limits of one gathered write: slices whose frames go out in one writev.
+const (
+	maxGather      = 32
+	maxGatherBytes = 4 << 20
+)
+
+// send writes queued slices in order, gathering runs of them into one
+// writev: frames of READs, and WRITEs whose payloads lie in the same
+// registered region (one guard covers the syscall).
 func (ep *endpoint) send() {
 	defer ep.wg.Done()
-	var hb [HeaderSize]byte
 	var batch []*transport.Slice
+	var hdrs [maxGather][HeaderSize]byte
+	iov := make([][]byte, 0, 2*maxGather)
+	group := make([]*transport.Slice, 0, maxGather)
 	for !ep.dead.Load() {
 		ep.mu.Lock()
 		batch, ep.queue = ep.queue, batch[:0]
@@ -110,50 +122,66 @@ func (ep *endpoint) send() {
 			<-ep.wake
 			continue
 		}
-		for i, s := range batch {
-			batch[i] = nil
-			if ep.dead.Load() {
-				// Put it back for the sweep to fail.
-				ep.mu.Lock()
-				ep.queue = append(ep.queue, s)
-				ep.mu.Unlock()
-				continue
-			}
-			if !s.Advance(transport.StateQueued, transport.StateActive) {
-				continue // canceled while queued
-			}
-			ep.seq++
-			h := header{
-				seq: ep.seq, requestID: s.RequestID, generation: s.Generation,
-				length: uint32(len(s.Local)), key: s.Key, addr: s.Remote, grantID: s.GrantID,
-			}
-			ep.pending.Store(ep.seq, s)
-			var err error
-			_ = ep.conn.SetWriteDeadline(time.Now().Add(ep.t.opts.IOTimeout))
-			if s.Op == transport.Write {
-				h.typ = frameWrite
-				h.encode(hb[:])
-				var refusal error
-				_, refusal, err = ep.out.writeGuarded(hb[:], s.Local, s.LocalReg)
-				if refusal != nil && err == nil {
-					// Our own memory was unregistered mid-slice: zeros went
-					// out in its place, so the slice must not count as done.
-					// Its WRITE_ACK still comes and clears it from pending.
-					s.Finish(fmt.Errorf("local memory: %w", refusal))
-					continue
+		for i := 0; i < len(batch); {
+			iov, group = iov[:0], group[:0]
+			var reg *memory.Region
+			total := 0
+			for ; i < len(batch) && len(group) < maxGather && total < maxGatherBytes; i++ {
+				s := batch[i]
+				if s.Op == transport.Write && reg != nil && s.LocalReg != reg {
+					break
 				}
-			} else {
-				h.typ = frameRead
-				h.encode(hb[:])
-				ep.reads.Add(1) // before the frame leaves: see nextHeader
-				_, _, err = ep.out.writeGuarded(hb[:], nil, nil)
+				if !s.Advance(transport.StateQueued, transport.StateActive) {
+					continue // canceled while queued
+				}
+				ep.seq++
+				h := header{
+					typ: frameRead, seq: ep.seq, requestID: s.RequestID, generation: s.Generation,
+					length: uint32(len(s.Local)), key: s.Key, addr: s.Remote, grantID: s.GrantID,
+				}
+				hb := hdrs[len(group)][:]
+				ep.pending.Store(ep.seq, s)
+				if s.Op == transport.Write {
+					h.typ = frameWrite
+					h.encode(hb)
+					reg = s.LocalReg
+					iov = append(iov, hb, s.Local)
+					total += len(s.Local)
+				} else {
+					h.encode(hb)
+					ep.reads.Add(1) // before the frame leaves: see nextHeader
+					iov = append(iov, hb)
+				}
+				group = append(group, s)
 			}
-			if err != nil {
-				ep.fail(err)
+			if len(group) == 0 {
 				continue
 			}
-			s.Advance(transport.StateActive, transport.StateSent)
+			if !ep.armWrite() {
+				ep.mu.Lock()
+				ep.queue = append(ep.queue, batch[i:]...)
+				ep.mu.Unlock()
+				break
+			}
+			var g guard
+			if reg != nil {
+				g = reg
+			}
+			if err := ep.out.writev(iov, g); err != nil {
+				// A torn frame cannot be resumed: the path dies, and the
+				// slices left go back to the queue for the sweep to fail.
+				// (A refusal here means our own memory was unregistered.)
+				ep.fail(err)
+				ep.mu.Lock()
+				ep.queue = append(ep.queue, batch[i:]...)
+				ep.mu.Unlock()
+				break
+			}
+			for _, s := range group {
+				s.Advance(transport.StateActive, transport.StateSent)
+			}
 		}
+		clear(batch)
 	}
 }
 
@@ -281,13 +309,27 @@ func sliceErr(h *header, want int) error {
 	return nil
 }
 
+// armWrite sets the write deadline for the next gathered write, unless the
+// path died: fail's past deadline must never be overwritten by a later one.
+func (ep *endpoint) armWrite() bool {
+	ep.deadlineMu.Lock()
+	defer ep.deadlineMu.Unlock()
+	if ep.dead.Load() {
+		return false
+	}
+	_ = ep.conn.SetWriteDeadline(time.Now().Add(ep.t.opts.IOTimeout))
+	return true
+}
+
 // fail marks the endpoint dead and cuts the connection, so both goroutines
 // return from any syscall wait at once.
 func (ep *endpoint) fail(reason error) {
 	ep.failOnce.Do(func() {
+		ep.deadlineMu.Lock()
 		ep.reason = reason
 		ep.dead.Store(true)
 		_ = ep.conn.SetDeadline(time.Unix(1, 0))
+		ep.deadlineMu.Unlock()
 		select {
 		case ep.wake <- struct{}{}:
 		default:

@@ -2,6 +2,7 @@ package tcp
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"syscall"
 
@@ -184,6 +185,55 @@ func (c *rawConn) writeGuarded(hdr, payload []byte, g guard) (sent int, refusal 
 		sent += n - hn
 	}
 	return sent, nil, nil
+}
+
+// writev writes all of iov, entering g (when not nil) around each syscall.
+// It returns g's refusal or the socket's error; after either, the stream
+// holds a torn frame and the connection must be closed.
+func (c *rawConn) writev(iov [][]byte, g guard) error {
+	for len(iov) > 0 {
+		var n int
+		var opErr, refusal error
+		werr := c.rc.Write(func(fd uintptr) bool {
+			if g != nil {
+				if e := g.Enter(); e != nil {
+					refusal = e
+					return true
+				}
+			}
+			for {
+				n, opErr = unix.Writev(int(fd), iov)
+				if opErr != unix.EINTR {
+					break
+				}
+			}
+			if g != nil {
+				g.Leave()
+			}
+			return opErr != unix.EAGAIN
+		})
+		switch {
+		case refusal != nil:
+			return fmt.Errorf("local memory: %w", refusal)
+		case werr != nil:
+			return werr
+		case opErr != nil:
+			return opErr
+		}
+		for n > 0 {
+			if n >= len(iov[0]) {
+				n -= len(iov[0])
+				iov = iov[1:]
+			} else {
+				iov[0] = iov[0][n:]
+				n = 0
+			}
+		}
+		for len(iov) > 0 && len(iov[0]) == 0 {
+			iov = iov[1:]
+		}
+	}
+	return nil
 }
 
 // writeZeros writes prefix then n zero bytes.

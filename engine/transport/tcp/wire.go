@@ -47,13 +47,13 @@ const (
 // Statuses in answers. Every non-zero status is a refusal, final for its
 // request.
 const (
-	statusOK            = 0
-	statusStaleKey      = 1
-	statusOutOfBounds   = 2
-	statusUnregistered  = 3
-	statusRefused       = 4
-	statusBadRequest    = 5
-	maxKnownStatus      = statusBadRequest
+	statusOK           = 0
+	statusStaleKey     = 1
+	statusOutOfBounds  = 2
+	statusUnregistered = 3
+	statusRefused      = 4
+	statusBadRequest   = 5
+	maxKnownStatus     = statusBadRequest
 )
 
 // header is a decoded frame header.

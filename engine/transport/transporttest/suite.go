@@ -12,6 +12,8 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"runtime/pprof"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -34,8 +36,7 @@ const (
 	GuardLen  = 4096
 	GuardByte = 0xAA
 
-	bufLen = 32 << 20 // owner and initiator buffers of the data tests
-	mib    = 1 << 20
+	mib = 1 << 20
 
 	// doneTimeout bounds the wait for slices that should end; a slice
 	// still running then is reported as hung.
@@ -57,6 +58,9 @@ func Run(t *testing.T, f Factory) {
 	})
 	t.Run("Abort during a busy stream ends every slice exactly once and stops touching memory", func(t *testing.T) {
 		testAbortBusyStream(t, f)
+	})
+	t.Run("Abort returns promptly while the path is busy sending a long Post", func(t *testing.T) {
+		testAbortLongPost(t, f)
 	})
 }
 
@@ -261,6 +265,14 @@ func compare(t *testing.T, what string, want, got []byte) bool {
 	return false
 }
 
+// dumpGoroutines logs every goroutine's stack, to show where a hang is.
+func dumpGoroutines(t *testing.T) {
+	t.Helper()
+	var b strings.Builder
+	_ = pprof.Lookup("goroutine").WriteTo(&b, 1)
+	t.Logf("goroutines:\n%s", b.String())
+}
+
 // waitFor polls cond until it holds or timeout passes.
 func waitFor(timeout time.Duration, cond func() bool) bool {
 	deadline := time.Now().Add(timeout)
@@ -364,7 +376,8 @@ func runTransfers(t *testing.T, f Factory) {
 		for _, n := range []int{1, 4096, mib + 1, 16 * mib} {
 			t.Run(fmt.Sprintf("a %v of %s arrives byte for byte", op, sizeName(n)), func(t *testing.T) {
 				e := newEnv(t, f)
-				owner, local := e.alloc(e.ownerReg, bufLen, 1), e.alloc(e.initReg, bufLen, 2)
+				size := n + 64<<10
+				owner, local := e.alloc(e.ownerReg, size, 1), e.alloc(e.initReg, size, 2)
 				// Odd offsets, so no transport gets by on alignment.
 				e.transfer(t, owner, local, []spec{{op: op, ownerOff: 4097 + 3, localOff: 12345, n: n}}, 1, 1)
 			})
@@ -373,7 +386,7 @@ func runTransfers(t *testing.T, f Factory) {
 	for _, op := range ops {
 		t.Run(fmt.Sprintf("%v slices at the very start and the very end of a registered range move intact", op), func(t *testing.T) {
 			e := newEnv(t, f)
-			const regionLen = 4 * mib
+			const regionLen = 3 * mib
 			owner, local := e.alloc(e.ownerReg, regionLen, 3), e.alloc(e.initReg, regionLen, 4)
 			for _, n := range []int{1, 4096, mib + 1} {
 				e.transfer(t, owner, local, []spec{
@@ -387,13 +400,13 @@ func runTransfers(t *testing.T, f Factory) {
 	}
 	t.Run("many slices of mixed sizes and directions posted in one Post all arrive intact", func(t *testing.T) {
 		e := newEnv(t, f)
-		owner, local := e.alloc(e.ownerReg, bufLen, 5), e.alloc(e.initReg, bufLen, 6)
-		e.transfer(t, owner, local, mixedSpecs(1000, 7, bufLen), 1, 1000)
+		owner, local := e.alloc(e.ownerReg, 16*mib, 5), e.alloc(e.initReg, 16*mib, 6)
+		e.transfer(t, owner, local, mixedSpecs(1000, 7, 16*mib), 1, 1000)
 	})
 	t.Run("concurrent Posts from several goroutines all arrive intact", func(t *testing.T) {
 		e := newEnv(t, f)
-		owner, local := e.alloc(e.ownerReg, bufLen, 8), e.alloc(e.initReg, bufLen, 9)
-		e.transfer(t, owner, local, mixedSpecs(2000, 10, bufLen), 8, 5)
+		owner, local := e.alloc(e.ownerReg, 16*mib, 8), e.alloc(e.initReg, 16*mib, 9)
+		e.transfer(t, owner, local, mixedSpecs(1000, 10, 16*mib), 8, 5)
 	})
 }
 
@@ -644,6 +657,7 @@ func testUnregisterInFlight(t *testing.T, f Factory) {
 		}
 	case <-time.After(10 * time.Second):
 		e.leak.Store(true)
+		dumpGoroutines(t)
 		t.Fatalf("Unregister hangs for 10 s while a WRITE is in flight")
 	}
 	after := bytes.Clone(owner.all)
@@ -775,6 +789,10 @@ func testTryCancelQueued(t *testing.T, f Factory) {
 	compare(t, "guard bytes", ownerBefore[len(owner.all)-GuardLen:], owner.all[len(owner.all)-GuardLen:])
 }
 
+// abortPromptly is how long Abort may take on a path whose owner keeps up:
+// it stops copies "now", so anything near a socket timeout is a hang.
+const abortPromptly = 3 * time.Second
+
 // abort calls Abort on another goroutine, lets the owner go once the
 // endpoint reports Dead (Abort may wait for a copy held at admission), and
 // waits for Abort to return.
@@ -795,6 +813,7 @@ func (e *env) abort(t *testing.T, release func()) {
 	case <-aborted:
 	case <-time.After(10 * time.Second):
 		e.leak.Store(true)
+		dumpGoroutines(t)
 		t.Fatalf("Abort hangs for 10 s")
 	}
 	if !e.ep.Dead() {
@@ -879,12 +898,12 @@ func testAbortQueuedAndInFlight(t *testing.T, f Factory) {
 
 func testAbortBusyStream(t *testing.T, f Factory) {
 	e := newEnv(t, f)
-	owner := e.alloc(e.ownerReg, 32*mib, 51)
-	local := e.alloc(e.initReg, 32*mib, 52)
+	owner := e.alloc(e.ownerReg, 8*mib, 51)
+	local := e.alloc(e.initReg, 8*mib, 52)
 	const (
 		goroutines = 4
 		posts      = 64
-		window     = 8 * mib
+		window     = 2 * mib
 		n          = 128 << 10
 	)
 	var mu sync.Mutex
@@ -936,4 +955,77 @@ func testAbortBusyStream(t *testing.T, f Factory) {
 	t.Logf("%d slices completed, %d failed by the abort", ok, conn)
 	compare(t, "initiator memory after Abort returned", snapshot, local.all)
 	e.checkPostAfterAbort(t, owner, local)
+}
+
+// testAbortLongPost aborts a path right after it started sending one long
+// Post: tiny WRITEs alternating between two initiator regions (so a sender
+// cannot gather them into one write) between READs of 32 KiB. Once the path
+// is aborted nobody reads the owner's answers, so the owner soon stops
+// reading too, and a sender that goes on writing after Abort blocks until a
+// socket timeout; Abort must cut it at once.
+func testAbortLongPost(t *testing.T, f Factory) {
+	e := newEnv(t, f)
+	owner := e.alloc(e.ownerReg, 4*mib, 61)
+	localA := e.alloc(e.initReg, 4*mib, 62)
+	localB := e.alloc(e.initReg, 64<<10, 63)
+	const groups = 20000
+	ss := make([]*slice, 0, 4*groups)
+	for range groups {
+		ss = append(ss,
+			e.newSlice(transport.Write, localA, 0, owner, 0, 64),
+			e.newSlice(transport.Read, localA, mib, owner, mib, 32<<10),
+			e.newSlice(transport.Write, localB, 0, owner, 64, 64),
+			e.newSlice(transport.Read, localA, 2*mib, owner, 2*mib, 32<<10),
+		)
+	}
+	// Abort as soon as the owner copies the first bytes: the sender is then
+	// still in its first burst, writing rather than waiting for the socket.
+	var start time.Time
+	var once sync.Once
+	aborted := make(chan struct{})
+	started := make(chan struct{})
+	e.owner.OnEnter(func() {
+		once.Do(func() {
+			start = time.Now()
+			close(started)
+			go func() {
+				e.ep.Abort(errors.New("transporttest: abort"))
+				close(aborted)
+			}()
+		})
+	})
+	e.ep.Post(base(ss))
+	select {
+	case <-started:
+	case <-time.After(5 * time.Second):
+		t.Fatalf("the owner never copied a byte")
+	}
+	select {
+	case <-aborted:
+	case <-time.After(abortPromptly):
+		dumpGoroutines(t)
+		// The factory's teardown cuts the path from the owner's side,
+		// which ends this Abort; waiting here for a socket timeout would
+		// only slow the suite down.
+		e.leak.Store(true)
+		t.Fatalf("Abort has not returned %v after it was called on a path whose owner is alive", abortPromptly)
+	}
+	t.Logf("Abort returned after %v", time.Since(start).Round(time.Microsecond))
+	if !wait(t, ss, doneTimeout) {
+		e.leak.Store(true)
+		t.FailNow()
+	}
+	checkOnce(t, ss)
+	ok, conn := 0, 0
+	for _, s := range ss {
+		switch {
+		case s.err == nil:
+			ok++
+		case errors.Is(s.err, transport.ErrConnection):
+			conn++
+		default:
+			t.Errorf("slice %s ended with %v; want success or an error matching transport.ErrConnection", s.name, s.err)
+		}
+	}
+	t.Logf("%d slices completed, %d failed by the abort", ok, conn)
 }
