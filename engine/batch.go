@@ -279,7 +279,7 @@ func sliceDone(ts *transport.Slice, err error) {
 	s := ts.Tag.(*sliceT)
 	t := s.t
 	e := t.b.e
-	if err != nil && transport.Retryable(err) && t.final.Load() == 0 && s.attempts < e.opts.MaxRetries && !e.closing.Load() {
+	if err != nil && transport.Retryable(err) && t.final.Load() == 0 && s.attempts < e.opts.MaxRetries && e.startRetry() {
 		s.attempts++
 		e.stats.retries.Add(1)
 		ts.Reset() // Queued again: a cancel from here on takes it
@@ -289,9 +289,22 @@ func sliceDone(ts *transport.Slice, err error) {
 	t.sliceEnded(s, err)
 }
 
+// startRetry counts a retry goroutine in, unless the engine is closing;
+// Close waits for those counted.
+func (e *Engine) startRetry() bool {
+	e.retryMu.Lock()
+	defer e.retryMu.Unlock()
+	if e.closing.Load() {
+		return false
+	}
+	e.retrying.Add(1)
+	return true
+}
+
 // retry posts the slice again on another path.
 func (s *sliceT) retry() {
 	t := s.t
+	defer t.b.e.retrying.Done()
 	if t.final.Load() != 0 {
 		if s.TryCancel() {
 			t.sliceEnded(s, transport.ErrCanceled)
@@ -305,6 +318,8 @@ func (s *sliceT) retry() {
 	seg := t.req.Segment
 	ctx, cancel := context.WithTimeout(context.Background(), pathTimeout)
 	defer cancel()
+	stop := context.AfterFunc(t.b.e.closeCtx, cancel)
+	defer stop()
 	ref, err := seg.path(ctx, s.hint+uint32(s.attempts))
 	if err != nil {
 		s.Finish(err)
@@ -383,14 +398,22 @@ func (t *task) cancel(st TaskStatus, cut map[*pathRef]struct{}) {
 	}
 	for i := range t.slices {
 		s := &t.slices[i]
-		if s.TryCancel() {
-			t.sliceEnded(s, transport.ErrCanceled)
-			continue
-		}
-		if st := s.State(); st == transport.StateActive || st == transport.StateReceiving {
-			if ref := s.path.Load(); ref != nil {
-				cut[ref] = struct{}{}
+		for {
+			if s.TryCancel() {
+				t.sliceEnded(s, transport.ErrCanceled)
+				break
 			}
+			st := s.State()
+			if st == transport.StateActive || st == transport.StateReceiving {
+				if ref := s.path.Load(); ref != nil {
+					cut[ref] = struct{}{}
+				}
+				break
+			}
+			if st == transport.StateDone || st == transport.StateCanceled {
+				break
+			}
+			// Queued or Sent again (it moved on between the two looks): retry.
 		}
 	}
 }

@@ -60,11 +60,15 @@ type Engine struct {
 	segMu    sync.Mutex
 	segments map[string]*Segment
 
-	liveMu  sync.Mutex
-	live    map[*Batch]struct{} // batches with tasks in flight, for Close
-	closing atomic.Bool
-	closed  chan struct{}
-	bg      sync.WaitGroup
+	liveMu   sync.Mutex
+	live     map[*Batch]struct{} // batches with tasks in flight, for Close
+	closing  atomic.Bool
+	closed   chan struct{}
+	closeCtx context.Context // canceled when Close begins
+	cancel   context.CancelFunc
+	bg       sync.WaitGroup
+	retryMu  sync.Mutex     // orders startRetry against Close
+	retrying sync.WaitGroup // retry goroutines
 
 	allocMu sync.Mutex
 	allocs  map[uint64][]byte
@@ -95,14 +99,17 @@ func New(opts Options) (*Engine, error) {
 		segments: map[string]*Segment{}, live: map[*Batch]struct{}{},
 		closed: make(chan struct{}), allocs: map[uint64][]byte{},
 	}
+	e.closeCtx, e.cancel = context.WithCancel(context.Background())
 	plane, err := control.Listen(host, opts.Port, e.log)
 	if err != nil {
+		e.cancel()
 		return nil, fmt.Errorf("kvferry: %w", err)
 	}
 	e.plane = plane
 	e.tcp = tcp.New(tcp.Options{ListenHost: host, IOTimeout: opts.IOTimeout, Logger: e.log})
 	tcpAddr, err := e.tcp.Listen(e)
 	if err != nil {
+		e.cancel()
 		_ = plane.Close()
 		return nil, fmt.Errorf("kvferry: %w", err)
 	}
@@ -155,10 +162,14 @@ func (e *Engine) handleGetDescriptor(from string, _ []byte) (control.MsgType, []
 // and returns once no goroutine or socket of the engine remains. Memory from
 // AllocBuffer stays mapped until FreeBuffer.
 func (e *Engine) Close() error {
-	if !e.closing.CompareAndSwap(false, true) {
+	e.retryMu.Lock()
+	first := e.closing.CompareAndSwap(false, true)
+	e.retryMu.Unlock()
+	if !first {
 		<-e.closed
 		return nil
 	}
+	e.cancel() // dials under way for retries give up
 	e.liveMu.Lock()
 	batches := make([]*Batch, 0, len(e.live))
 	for b := range e.live {
@@ -175,6 +186,7 @@ func (e *Engine) Close() error {
 	for _, s := range segs {
 		s.shutdown(ErrClosed)
 	}
+	e.retrying.Wait()
 	var errs []error
 	errs = append(errs, e.local.Close(), e.tcp.Close(), e.plane.Close())
 	close(e.closed)

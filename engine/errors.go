@@ -12,7 +12,7 @@ import (
 // are wrapped with context and stay matchable too.
 var (
 	ErrClosed         = errors.New("engine closed")
-	ErrInvalidArg     = errors.New("invalid argument")
+	ErrInvalidArg     = memory.ErrInvalidArg
 	ErrUnsupported    = errors.New("not supported")
 	ErrBatchFull      = errors.New("batch capacity exceeded")
 	ErrBatchBusy      = errors.New("batch has transfers in flight")

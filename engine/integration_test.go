@@ -106,10 +106,29 @@ func requireEqual(t *testing.T, what string, got, want []byte) {
 // requireAll fails the test unless every byte of b is v.
 func requireAll(t *testing.T, what string, b []byte, v byte) {
 	t.Helper()
-	for i, c := range b {
-		if c != v {
-			t.Fatalf("%s: byte %d of %d is %#02x, want %#02x", what, i, len(b), c, v)
+	want := make([]byte, min(len(b), 64<<10))
+	fillByte(want, v)
+	for off := 0; off < len(b); off += len(want) {
+		chunk := b[off:min(off+len(want), len(b))]
+		if bytes.Equal(chunk, want[:len(chunk)]) {
+			continue
 		}
+		for i, c := range chunk {
+			if c != v {
+				t.Fatalf("%s: byte %d of %d is %#02x, want %#02x", what, off+i, len(b), c, v)
+			}
+		}
+	}
+}
+
+// fillByte sets every byte of b to v (by doubling copies: fast under -race).
+func fillByte(b []byte, v byte) {
+	if len(b) == 0 {
+		return
+	}
+	b[0] = v
+	for n := 1; n < len(b); n *= 2 {
+		copy(b[n:], b[:n])
 	}
 }
 
@@ -332,9 +351,7 @@ func newGuarded(t *testing.T, e *engine.Engine, size int, seed uint64) *guarded 
 	const guard = 64<<10 + 13
 	g := &guarded{whole: make([]byte, guard+size+guard), guard: guard}
 	g.mid = g.whole[guard : guard+size]
-	for i := range g.whole {
-		g.whole[i] = guardByte
-	}
+	fillByte(g.whole, guardByte)
 	fillPattern(g.mid, seed)
 	if _, err := e.RegisterMemory(g.mid, "cpu"); err != nil {
 		t.Fatalf("register guarded buffer: %v", err)
@@ -763,7 +780,8 @@ func TestClosingTheTargetMidTransferFailsInitiatorTasks(t *testing.T) {
 			if err := batch.Submit(testCtx(t, time.Minute), reqs); err != nil {
 				t.Fatal(err)
 			}
-			within(t, 10*time.Second, "target Close", func() { _ = b.Close() })
+			closeTook := within(t, 10*time.Second, "target Close", func() { _ = b.Close() })
+			t.Logf("target Close took %v", closeTook)
 			took := within(t, 20*time.Second, "initiator Wait after the target closed", func() {
 				if err := batch.Wait(testCtx(t, 20*time.Second)); err != nil {
 					t.Errorf("wait: %v", err)
@@ -784,13 +802,16 @@ func TestClosingTheTargetMidTransferFailsInitiatorTasks(t *testing.T) {
 			}
 			t.Logf("initiator tasks ended %v within %v of the target's Close", counts, took)
 			// A new transfer to the closed target fails too, by its deadline.
-			within(t, 10*time.Second, "transfer to a closed target", func() {
+			took = within(t, 10*time.Second, "transfer to a closed target", func() {
 				res, err := a.Transfer(testCtx(t, 3*time.Second), reqs[:1])
 				if err == nil {
 					t.Errorf("transfer to a closed target succeeded: %+v", res)
 				}
 				t.Logf("transfer to the closed target: %v", err)
 			})
+			if took > 5*time.Second {
+				t.Errorf("transfer to a closed target with a 3s deadline took %v", took)
+			}
 		})
 	}
 }
@@ -906,4 +927,199 @@ func TestEnginesLeakNoGoroutinesOrFileDescriptors(t *testing.T) {
 			f0, f, strings.Join(fdsBefore, "\n"), strings.Join(fdsAfter, "\n"))
 	}
 	t.Logf("goroutines %d -> %d, fds %d -> %d", g0, g, f0, f)
+}
+
+// Invalid arguments outside transfers are refused with matchable errors too.
+func TestInvalidArgumentsGiveMatchableErrors(t *testing.T) {
+	e := newEngine(t)
+	buf := alloc(t, e, 1<<20)
+	seg := openSegment(t, e, e.Name())
+	heap := make([]byte, 4096)
+	cases := []struct {
+		name string
+		do   func(t *testing.T) error
+		want error
+	}{
+		{"registering empty memory", func(*testing.T) error { _, err := e.RegisterMemory(nil, "cpu"); return err }, engine.ErrInvalidArg},
+		{"registering no ranges", func(*testing.T) error { _, err := e.RegisterMemoryBatch(nil); return err }, engine.ErrInvalidArg},
+		{"registering at a bad location", func(*testing.T) error { _, err := e.RegisterMemory(heap, "gpu"); return err }, engine.ErrInvalidArg},
+		{"registering GPU memory without the cuda layer", func(*testing.T) error { _, err := e.RegisterMemory(heap, "cuda:0"); return err }, engine.ErrUnsupported},
+		{"allocating zero bytes", func(*testing.T) error { _, err := e.AllocBuffer(0, "cpu"); return err }, engine.ErrInvalidArg},
+		{"unregistering an unregistered address", func(*testing.T) error { return e.UnregisterMemory(engine.AddrOf(heap)) }, engine.ErrNotRegistered},
+		{"unregistering from inside a registration", func(*testing.T) error { return e.UnregisterMemory(engine.AddrOf(buf) + 1) }, engine.ErrNotRegistered},
+		{"unregistering nothing", func(*testing.T) error { return e.UnregisterMemoryBatch(nil) }, engine.ErrInvalidArg},
+		{"unregistering one address twice", func(*testing.T) error {
+			return e.UnregisterMemoryBatch([]uint64{engine.AddrOf(buf), engine.AddrOf(buf)})
+		}, engine.ErrInvalidArg},
+		{"freeing memory not from AllocBuffer", func(*testing.T) error { return e.FreeBuffer(engine.AddrOf(heap)) }, engine.ErrInvalidArg},
+		{"a batch of capacity 0", func(*testing.T) error { _, err := e.AllocateBatch(0); return err }, engine.ErrInvalidArg},
+		{"submitting nothing", func(t *testing.T) error {
+			b, err := e.AllocateBatch(1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return b.Submit(testCtx(t, time.Second), nil)
+		}, engine.ErrInvalidArg},
+		{"submitting past capacity", func(t *testing.T) error {
+			b, err := e.AllocateBatch(1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := write(buf, seg, engine.AddrOf(buf)+4096, 4096)
+			return b.Submit(testCtx(t, time.Second), []engine.Request{r, r})
+		}, engine.ErrBatchFull},
+		{"submitting to a freed batch", func(t *testing.T) error {
+			b, err := e.AllocateBatch(1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := b.Free(); err != nil {
+				t.Fatal(err)
+			}
+			return b.Submit(testCtx(t, time.Second), []engine.Request{write(buf, seg, engine.AddrOf(buf)+4096, 4096)})
+		}, engine.ErrBatchFreed},
+		{"opening a segment by a name without a port", func(t *testing.T) error {
+			_, err := e.OpenSegment(testCtx(t, time.Second), "localhost")
+			return err
+		}, engine.ErrInvalidArg},
+		{"a segment of another engine", func(t *testing.T) error {
+			other := newEngine(t)
+			oseg := openSegment(t, other, other.Name())
+			_, err := e.Transfer(testCtx(t, time.Second), []engine.Request{write(buf, oseg, engine.AddrOf(buf)+4096, 4096)})
+			return err
+		}, engine.ErrInvalidArg},
+		{"closing a segment of another engine", func(t *testing.T) error {
+			other := newEngine(t)
+			return e.CloseSegment(openSegment(t, other, other.Name()))
+		}, engine.ErrInvalidArg},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.do(t)
+			t.Logf("error: %v", err)
+			if !errors.Is(err, tc.want) {
+				t.Errorf("errors.Is(err, %q) = false; err: %v", tc.want, err)
+			}
+			if n := e.Stats().Registrations; n != 1 {
+				t.Errorf("%d registrations, want 1", n)
+			}
+		})
+	}
+}
+
+// ---------------------------------------------------------------------------
+// Unregister and Close mid-transfer: once they return, no further byte of
+// the transfer touches their memory (SAFETY.md promise 1 for UnregisterMemory
+// and Close, promise 3 for the initiator's own memory).
+
+func TestUnregisterOrCloseMidTransferStopsEveryLaterByte(t *testing.T) {
+	const marker = 0x77
+	size, progress := 128<<20, uint64(8<<20)
+	if testing.Short() {
+		size, progress = 32<<20, 2<<20
+	}
+	type actor int
+	const (
+		owner actor = iota
+		initiator
+	)
+	cases := []struct {
+		who   actor
+		close bool // Close the engine instead of unregistering the buffer
+		self  bool // transfer within one engine (local transport)
+	}{
+		{owner, false, false}, {owner, true, false}, {initiator, false, false}, {initiator, true, false},
+		{owner, false, true}, {initiator, false, true},
+	}
+	for _, op := range []engine.Op{engine.Write, engine.Read} {
+		for _, tc := range cases {
+			name := map[actor]string{owner: "owner", initiator: "initiator"}[tc.who]
+			name += map[bool]string{false: " unregisters", true: " closes"}[tc.close]
+			name += map[bool]string{false: "", true: " (same engine)"}[tc.self]
+			t.Run(op.String()+"/"+name, func(t *testing.T) {
+				a := newEngine(t)
+				b := a
+				if !tc.self {
+					b = newEngine(t)
+				}
+				local, remote := alloc(t, a, size), alloc(t, b, size)
+				src, dst := local, remote // the data's source and destination
+				if op == engine.Read {
+					src, dst = remote, local
+				}
+				fillPattern(src, 30)
+				seg := openSegment(t, a, b.Name())
+				batch, err := a.AllocateBatch(1)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := batch.Submit(testCtx(t, time.Minute), []engine.Request{
+					{Op: op, Local: engine.AddrOf(local), Segment: seg, Remote: engine.AddrOf(remote), Length: uint64(size)}}); err != nil {
+					t.Fatal(err)
+				}
+				for end := time.Now().Add(10 * time.Second); time.Now().Before(end); time.Sleep(50 * time.Microsecond) {
+					if r, _ := batch.Status(0); r.Transferred >= progress || r.Status.Final() {
+						break
+					}
+				}
+				actedOn, actorEngine := remote, b
+				if tc.who == initiator {
+					actedOn, actorEngine = local, a
+				}
+				took := within(t, 10*time.Second, name, func() {
+					var err error
+					if tc.close {
+						err = actorEngine.Close()
+					} else {
+						err = actorEngine.UnregisterMemory(engine.AddrOf(actedOn))
+					}
+					if err != nil {
+						t.Errorf("%s: %v", name, err)
+					}
+				})
+				// The range may be reused at once.
+				fillByte(actedOn, marker)
+				r, _ := batch.Status(0)
+				t.Logf("%s took %v, with %d of %d bytes confirmed", name, took, r.Transferred, size)
+				within(t, 30*time.Second, "Wait", func() {
+					if err := batch.Wait(testCtx(t, 30*time.Second)); err != nil {
+						t.Errorf("wait: %v", err)
+					}
+				})
+				r, _ = batch.Status(0)
+				t.Logf("task: %v, %d bytes, %v", r.Status, r.Transferred, r.Err)
+				switch r.Status {
+				case engine.Completed:
+					t.Log("the transfer completed before the action")
+				case engine.Failed, engine.Canceled:
+				default:
+					t.Errorf("task ended %v (%v)", r.Status, r.Err)
+				}
+				if &actedOn[0] == &dst[0] {
+					// Nothing may land in the destination after the action.
+					requireAll(t, "destination after "+name, dst, marker)
+					return
+				}
+				// The source changed after the action: the destination holds
+				// the old source or what it held before (zeros), never marker.
+				want := pattern(size, 30)
+				const chunk = 4 << 10
+				for off := 0; off < size; off += chunk {
+					d, w := dst[off:off+chunk], want[off:off+chunk]
+					if bytes.Equal(d, w) {
+						continue
+					}
+					if r.Status == engine.Completed {
+						requireEqual(t, "destination of a completed transfer", dst, want)
+					}
+					for i, c := range d {
+						if c != w[i] && c != 0 {
+							t.Fatalf("destination byte %d is %#02x: neither the source's %#02x nor 0 (marker %#02x): the source was read after %s returned",
+								off+i, c, w[i], marker, name)
+						}
+					}
+				}
+			})
+		}
+	}
 }

@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -367,26 +368,35 @@ func TestTransferToStoppedPeerTimesOutAndLeavesLocalMemoryAlone(t *testing.T) {
 					// sure the change never reaches it (WRITE) and nothing
 					// lands in the buffer any more (READ).
 					const marker = 0x5A
-					for i := range local {
-						local[i] = marker
-					}
+					fillByte(local, marker)
 					tp.signal(t, syscall.SIGCONT)
 					// One slice on every path after the target resumed: each
 					// path is FIFO, so once they are done every earlier frame
 					// was answered and handled.
 					probe := alloc(t, a, engine.DefaultPathsPerPeer*engine.DefaultSliceSize)
+					start := time.Now()
 					transfer(t, a, 30*time.Second, read(probe, seg, tp.addr, len(probe)))
+					t.Logf("probe READ after the target resumed took %v", time.Since(start))
 					if op == engine.Read {
 						requireAll(t, "local buffer after the timed-out READ", local, marker)
 						return
 					}
 					back := alloc(t, a, size)
+					start = time.Now()
 					transfer(t, a, 30*time.Second, read(back, seg, tp.addr, size))
+					t.Logf("READ back took %v", time.Since(start))
 					old, neu := pattern(size, 9), pattern(size, 10)
-					for i, c := range back {
-						if c != old[i] && c != neu[i] {
-							t.Fatalf("target byte %d is %#02x after the timed-out WRITE: neither its old %#02x nor the sent %#02x (marker %#02x): the engine read the source after Transfer returned",
-								i, c, old[i], neu[i], marker)
+					const chunk = 4 << 10
+					for off := 0; off < size; off += chunk {
+						b, o, n := back[off:off+chunk], old[off:off+chunk], neu[off:off+chunk]
+						if bytes.Equal(b, o) || bytes.Equal(b, n) {
+							continue
+						}
+						for i, c := range b {
+							if c != o[i] && c != n[i] {
+								t.Fatalf("target byte %d is %#02x after the timed-out WRITE: neither its old %#02x nor the sent %#02x (marker %#02x): the engine read the source after Transfer returned",
+									off+i, c, o[i], n[i], marker)
+							}
 						}
 					}
 				}
@@ -439,5 +449,71 @@ func TestOpenSegmentOfStoppedPeerReturnsByDeadline(t *testing.T) {
 	}
 	if took > deadline+timeoutBound {
 		t.Errorf("OpenSegment returned %v after its deadline", took-deadline)
+	}
+}
+
+// A Close after a timeout against a stopped peer leaves no goroutine or
+// socket of the engine behind ("Close ... returns once no goroutine or socket
+// of the engine remains"), even while paths to that peer were being redialed.
+func TestCloseAfterTimeoutAgainstStoppedPeerLeavesNothingRunning(t *testing.T) {
+	const size = 64 << 20
+	tp := startTarget(t, targetConfig{size: size})
+	g0 := runtime.NumGoroutine()
+	f0, fdsBefore := countFDs(t)
+
+	// A short I/O timeout makes the blocked paths fail (and be redialed)
+	// while the transfer is still in flight.
+	a, err := engine.New(engine.Options{IgnoreEnv: true, IOTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = a.Close() })
+	local, err := a.AllocBuffer(size, "cpu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	seg := openSegment(t, a, tp.name)
+	warmPaths(t, a, seg, local, tp.addr)
+	tp.signal(t, syscall.SIGSTOP)
+	const deadline = 1500 * time.Millisecond
+	var res []engine.TaskResult
+	took := within(t, time.Minute, "Transfer to a stopped peer", func() {
+		res, err = a.Transfer(testCtx(t, deadline), []engine.Request{write(local, seg, tp.addr, size)})
+	})
+	t.Logf("Transfer returned after %v: %v", took, err)
+	if err == nil || len(res) != 1 || res[0].Status == engine.Completed {
+		t.Fatalf("transfer to a stopped peer: %+v, %v", res, err)
+	}
+	if took > deadline+timeoutBound {
+		t.Errorf("Transfer returned %v after its deadline", took-deadline)
+	}
+	took = within(t, time.Minute, "Close", func() {
+		if err := a.Close(); err != nil {
+			t.Errorf("close: %v", err)
+		}
+	})
+	t.Logf("Close took %v", took)
+	if err := a.FreeBuffer(engine.AddrOf(local)); err != nil {
+		t.Error(err)
+	}
+	// Close promises nothing remains when it returns; allow a short settle
+	// for goroutines that are on their way out.
+	var g, f int
+	for end := time.Now().Add(time.Second); ; time.Sleep(20 * time.Millisecond) {
+		g = runtime.NumGoroutine()
+		f, _ = countFDs(t)
+		if (g <= g0 && f <= f0) || time.Now().After(end) {
+			break
+		}
+	}
+	if g > g0 {
+		buf := make([]byte, 1<<20)
+		buf = buf[:runtime.Stack(buf, true)]
+		t.Errorf("goroutines: %d before the engine, %d a second after its Close\n%s", g0, g, buf)
+	}
+	if f > f0 {
+		_, fdsAfter := countFDs(t)
+		t.Errorf("open file descriptors: %d before the engine, %d a second after its Close\nbefore:\n%s\nafter:\n%s",
+			f0, f, strings.Join(fdsBefore, "\n"), strings.Join(fdsAfter, "\n"))
 	}
 }

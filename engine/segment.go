@@ -51,11 +51,12 @@ type Segment struct {
 	refreshMu sync.Mutex // one descriptor fetch at a time
 	desc      atomic.Pointer[control.Descriptor]
 
-	mu     sync.Mutex
-	paths  []*pathRef // PathsPerPeer entries, nil until dialed
-	addr   string     // data-plane address
-	closed error      // set by shutdown
-	next   atomic.Uint32
+	mu      sync.Mutex
+	paths   []*pathRef      // PathsPerPeer entries, nil until dialed
+	dialing []chan struct{} // per slot: closed when the dial under way ends
+	addr    string          // data-plane address
+	closed  error           // set by shutdown
+	next    atomic.Uint32
 
 	misses atomic.Int32
 	dead   atomic.Bool
@@ -86,6 +87,9 @@ func (e *Engine) OpenSegment(ctx context.Context, name string) (*Segment, error)
 	s.paths = make([]*pathRef, e.opts.PathsPerPeer)
 	if s.self {
 		s.paths = s.paths[:1]
+	}
+	s.dialing = make([]chan struct{}, len(s.paths))
+	if s.self {
 		s.desc.Store(e.Descriptor())
 	} else if err := s.refresh(ctx); err != nil {
 		return nil, fmt.Errorf("open segment %q: %w", name, err)
@@ -180,25 +184,58 @@ func (s *Segment) resolve(ctx context.Context, addr, n uint64, refreshed *bool) 
 type pathRef struct{ ep transport.Endpoint }
 
 // path returns a live path, dialing one when the slot is empty or dead. The
-// hint spreads slices over slots; a retry passes a different hint.
+// hint spreads slices over slots; a retry passes a different hint. One dial
+// per slot runs at a time: others wait for it (or for their ctx), so a dead
+// path is not redialed once per slice.
 func (s *Segment) path(ctx context.Context, hint uint32) (*pathRef, error) {
 	i := int(hint % uint32(len(s.paths)))
-	s.mu.Lock()
-	if s.closed != nil {
+	for {
+		s.mu.Lock()
+		if s.closed != nil {
+			s.mu.Unlock()
+			return nil, s.closed
+		}
+		if s.dead.Load() {
+			s.mu.Unlock()
+			return nil, fmt.Errorf("segment %s: %w", s.name, ErrPeerDead)
+		}
+		if p := s.paths[i]; p != nil && !p.ep.Dead() {
+			s.mu.Unlock()
+			return p, nil
+		}
+		if wait := s.dialing[i]; wait != nil {
+			s.mu.Unlock()
+			select {
+			case <-wait:
+				continue
+			case <-ctx.Done():
+				return nil, fmt.Errorf("segment %s: %w: %w", s.name, transport.ErrConnection, ctx.Err())
+			}
+		}
+		done := make(chan struct{})
+		s.dialing[i] = done
+		addr := s.addr
 		s.mu.Unlock()
-		return nil, s.closed
-	}
-	if s.dead.Load() {
+		ref, err := s.dial(ctx, addr)
+		s.mu.Lock()
+		s.dialing[i] = nil
+		close(done)
+		if err == nil {
+			if s.closed != nil {
+				err = s.closed
+				go ref.ep.Abort(s.closed)
+			} else {
+				s.paths[i] = ref
+			}
+		}
 		s.mu.Unlock()
-		return nil, fmt.Errorf("segment %s: %w", s.name, ErrPeerDead)
+		return ref, err
 	}
-	if p := s.paths[i]; p != nil && !p.ep.Dead() {
-		s.mu.Unlock()
-		return p, nil
-	}
-	addr := s.addr
-	s.mu.Unlock()
-	// Dial outside the lock: a slow peer must not hold up other paths.
+}
+
+// dial opens one path, outside the lock: a slow peer must not hold up the
+// other slots.
+func (s *Segment) dial(ctx context.Context, addr string) (*pathRef, error) {
 	var p transport.Endpoint
 	var err error
 	if s.self {
@@ -209,25 +246,16 @@ func (s *Segment) path(ctx context.Context, hint uint32) (*pathRef, error) {
 	if err != nil {
 		return nil, fmt.Errorf("segment %s: %w", s.name, err)
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed != nil {
-		go p.Abort(s.closed)
-		return nil, s.closed
-	}
-	if cur := s.paths[i]; cur != nil && !cur.ep.Dead() {
-		go p.Abort(errors.New("duplicate path"))
-		return cur, nil
-	}
-	ref := &pathRef{ep: p}
-	s.paths[i] = ref
-	return ref, nil
+	return &pathRef{ep: p}, nil
 }
 
 // heartbeat records one ping's outcome. A segment missing HeartbeatMisses in a
 // row is declared dead: its paths are cut, so transfers in flight fail now
 // rather than when TCP gives up; a later answered ping revives it.
 func (s *Segment) heartbeat(err error) {
+	if s.e.closing.Load() {
+		return // pings fail while the plane closes; that says nothing of the peer
+	}
 	if err == nil {
 		s.misses.Store(0)
 		if s.dead.CompareAndSwap(true, false) {
@@ -267,5 +295,5 @@ func (s *Segment) shutdown(reason error) {
 	s.cutPaths(reason)
 }
 
-// pathTimeout bounds dialing a path inside a submit.
+// pathTimeout bounds dialing a path for a retry.
 const pathTimeout = 5 * time.Second

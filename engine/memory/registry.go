@@ -30,8 +30,11 @@ var (
 	ErrNotRegistered = errors.New("range is not registered")
 	ErrStaleKey      = errors.New("buffer key is stale (range unregistered or registered again)")
 	ErrOutOfBounds   = errors.New("access outside the registered range")
-	ErrInvalidRange  = errors.New("invalid memory range")
-	ErrUnregistered  = errors.New("memory was unregistered during the access")
+	// ErrInvalidArg is the root of every invalid-argument error of kvferry;
+	// the engine re-exports it.
+	ErrInvalidArg   = errors.New("invalid argument")
+	ErrInvalidRange = fmt.Errorf("%w: invalid memory range", ErrInvalidArg)
+	ErrUnregistered = errors.New("memory was unregistered during the access")
 )
 
 // Region is one registered range. Its fields never change after

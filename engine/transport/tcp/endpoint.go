@@ -40,7 +40,7 @@ type endpoint struct {
 	finished   chan struct{}
 }
 
-func newEndpoint(t *Transport, conn *net.TCPConn, self string) (*endpoint, error) {
+func newEndpoint(t *Transport, conn *net.TCPConn, self string, deadline time.Time) (*endpoint, error) {
 	rc, err := conn.SyscallConn()
 	if err != nil {
 		return nil, err
@@ -52,7 +52,7 @@ func newEndpoint(t *Transport, conn *net.TCPConn, self string) (*endpoint, error
 	hello := header{typ: frameHello, length: uint32(len(self))}
 	var hb [HeaderSize]byte
 	hello.encode(hb[:])
-	_ = conn.SetDeadline(time.Now().Add(t.opts.HandshakeTimeout))
+	_ = conn.SetDeadline(deadline)
 	if _, _, err := ep.out.writeGuarded(hb[:], []byte(self), nil); err != nil {
 		return nil, err
 	}

@@ -154,15 +154,37 @@ func (t *Transport) Dial(ctx context.Context, addr, self string) (transport.Endp
 	if len(self) == 0 || len(self) > maxHelloName {
 		return nil, fmt.Errorf("tcp: dial %s: our name %q must be 1 to %d bytes", addr, self, maxHelloName)
 	}
-	d := net.Dialer{Timeout: t.opts.HandshakeTimeout}
+	// The whole dial, HELLO included, ends by ctx's deadline or
+	// HandshakeTimeout, whichever is sooner: a stopped peer's kernel still
+	// completes the TCP connect.
+	deadline := time.Now().Add(t.opts.HandshakeTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	d := net.Dialer{Deadline: deadline}
 	nc, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("tcp: dial %s: %w: %w", addr, transport.ErrConnection, err)
 	}
 	conn := nc.(*net.TCPConn)
 	t.tune(conn)
-	ep, err := newEndpoint(t, conn, self)
+	// Until the handshake is done the connection is only in conns, so
+	// Close can cut it; cancellation of ctx cuts it too.
+	if !t.conns.add(conn) {
+		_ = conn.Close()
+		return nil, transport.ErrClosed
+	}
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Unix(1, 0)) })
+	ep, err := newEndpoint(t, conn, self, deadline)
+	stopped := stop()
+	t.conns.remove(conn)
+	if err == nil && !stopped {
+		err = ctx.Err()
+	}
 	if err != nil {
+		if ep != nil {
+			ep.Abort(err)
+		}
 		_ = conn.Close()
 		return nil, fmt.Errorf("tcp: handshake with %s: %w: %w", addr, transport.ErrConnection, err)
 	}

@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"runtime/pprof"
 	"strings"
 	"sync"
@@ -50,13 +51,19 @@ func Run(t *testing.T, f Factory) {
 	t.Run("unregistering owner memory during a large WRITE stops it before Unregister returns", func(t *testing.T) {
 		testUnregisterInFlight(t, f)
 	})
+	t.Run("unregistering initiator memory during a large READ stops it before Unregister returns", func(t *testing.T) {
+		testUnregisterLocalInFlight(t, f)
+	})
 	t.Run("TryCancel of queued slices keeps them from ending and from touching memory", func(t *testing.T) {
 		testTryCancelQueued(t, f)
 	})
 	t.Run("Abort with slices queued and in flight fails each of them exactly once", func(t *testing.T) {
 		testAbortQueuedAndInFlight(t, f)
 	})
-	t.Run("Abort during a busy stream ends every slice exactly once and stops touching memory", func(t *testing.T) {
+	t.Run("slices failed by Abort can be reset and posted again on a fresh endpoint", func(t *testing.T) {
+		testRepostAfterAbort(t, f)
+	})
+	t.Run("Abort from several goroutines during a busy stream ends every slice exactly once and stops touching memory", func(t *testing.T) {
 		testAbortBusyStream(t, f)
 	})
 	t.Run("Abort returns promptly while the path is busy sending a long Post", func(t *testing.T) {
@@ -688,6 +695,75 @@ func testUnregisterInFlight(t *testing.T, f Factory) {
 	}
 }
 
+// testUnregisterLocalInFlight is testUnregisterInFlight from the other side:
+// the initiator unregisters the memory large READs are landing in. After
+// Unregister returns no byte of it may change.
+func testUnregisterLocalInFlight(t *testing.T, f Factory) {
+	e := newEnv(t, f)
+	const half = 16 * mib
+	owner := e.alloc(e.ownerReg, 2*half, 0)
+	local := e.alloc(e.initReg, 2*half, 22)
+	for i := range owner.data[:half] {
+		owner.data[i] = 0x11
+	}
+	for i := range owner.data[half:] {
+		owner.data[half+i] = 0x22
+	}
+	// Each half of the local range alternately gets 0x11 and 0x22.
+	var ss []*slice
+	for i := range 8 {
+		ss = append(ss, e.newSlice(transport.Read, local, (i%2)*half, owner, ((i/2)%2)*half, half))
+	}
+	e.ep.Post(base(ss))
+	inFlight := waitFor(5*time.Second, func() bool {
+		select {
+		case <-ss[len(ss)-1].done:
+			return true
+		default:
+		}
+		return e.owner.Enters.Load() >= 2
+	})
+	if !inFlight {
+		e.leak.Store(true)
+		t.Fatalf("the READs neither started nor ended within 5 s")
+	}
+	unregistered := make(chan error, 1)
+	go func() {
+		_, err := e.initReg.Unregister([]uint64{local.reg.Addr})
+		unregistered <- err
+	}()
+	select {
+	case err := <-unregistered:
+		if err != nil {
+			t.Fatalf("unregister: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		e.leak.Store(true)
+		dumpGoroutines(t)
+		t.Fatalf("Unregister hangs for 10 s while a READ is in flight")
+	}
+	after := bytes.Clone(local.all)
+	if !wait(t, ss, doneTimeout) {
+		e.leak.Store(true)
+		t.FailNow()
+	}
+	time.Sleep(20 * time.Millisecond)
+	checkOnce(t, ss)
+	compare(t, "initiator memory after Unregister returned", after, local.all)
+	ok, failed := 0, 0
+	for _, s := range ss {
+		if s.err == nil {
+			ok++
+		} else {
+			failed++
+			if failed == 1 {
+				t.Logf("first failure: %v (retryable: %v)", s.err, transport.Retryable(s.err))
+			}
+		}
+	}
+	t.Logf("%d READs completed, %d failed", ok, failed)
+}
+
 // ---------------------------------------------------------------------------
 // TryCancel and Abort.
 
@@ -796,11 +872,23 @@ const abortPromptly = 3 * time.Second
 // abort calls Abort on another goroutine, lets the owner go once the
 // endpoint reports Dead (Abort may wait for a copy held at admission), and
 // waits for Abort to return.
-func (e *env) abort(t *testing.T, release func()) {
+func (e *env) abort(t *testing.T, release func()) { e.abortN(t, release, 1) }
+
+// abortN is abort with n callers of Abort at once (the engine may abort a
+// path from several goroutines); every one of them must return.
+func (e *env) abortN(t *testing.T, release func(), n int) {
 	t.Helper()
 	aborted := make(chan struct{})
+	var callers sync.WaitGroup
+	for i := range n {
+		callers.Add(1)
+		go func() {
+			defer callers.Done()
+			e.ep.Abort(fmt.Errorf("transporttest: abort %d", i))
+		}()
+	}
 	go func() {
-		e.ep.Abort(errors.New("transporttest: abort"))
+		callers.Wait()
 		close(aborted)
 	}()
 	if !waitFor(5*time.Second, e.ep.Dead) {
@@ -930,7 +1018,7 @@ func testAbortBusyStream(t *testing.T, f Factory) {
 	}
 	close(start)
 	waitFor(time.Second, func() bool { return e.owner.Admits.Load() >= 8 })
-	e.abort(t, nil)
+	e.abortN(t, nil, 3)
 	snapshot := bytes.Clone(local.all)
 	wg.Wait()
 	mu.Lock()
@@ -957,60 +1045,73 @@ func testAbortBusyStream(t *testing.T, f Factory) {
 	e.checkPostAfterAbort(t, owner, local)
 }
 
-// testAbortLongPost aborts a path right after it started sending one long
-// Post: tiny WRITEs alternating between two initiator regions (so a sender
-// cannot gather them into one write) between READs of 32 KiB. Once the path
-// is aborted nobody reads the owner's answers, so the owner soon stops
-// reading too, and a sender that goes on writing after Abort blocks until a
-// socket timeout; Abort must cut it at once.
+// testAbortLongPost aborts a path busy sending one long Post and, the
+// moment it is dead, stops the owner reading (as a slow or paused peer
+// would). The Post starts with tiny WRITEs alternating between two
+// initiator regions (so a sender cannot gather them into one write) and
+// tiny READs, which the owner answers as fast as they come, so the sender
+// is busy writing rather than waiting when Abort strikes; big READs and
+// WRITEs follow, so a sender that goes on after Abort fills every buffer.
+// Abort must cut the path at once, whatever the owner does; the owner is
+// let go after a moment, since a transport that copies in the caller's
+// process (local) may rightly wait for an admission in progress.
 func testAbortLongPost(t *testing.T, f Factory) {
 	e := newEnv(t, f)
 	owner := e.alloc(e.ownerReg, 4*mib, 61)
 	localA := e.alloc(e.initReg, 4*mib, 62)
 	localB := e.alloc(e.initReg, 64<<10, 63)
-	const groups = 20000
-	ss := make([]*slice, 0, 4*groups)
-	for range groups {
+	const tinyGroups, bigReads, bigWrites = 10000, 500, 200
+	ss := make([]*slice, 0, 4*tinyGroups+bigReads+bigWrites)
+	for range tinyGroups {
 		ss = append(ss,
 			e.newSlice(transport.Write, localA, 0, owner, 0, 64),
-			e.newSlice(transport.Read, localA, mib, owner, mib, 32<<10),
+			e.newSlice(transport.Read, localA, 4096, owner, 4096, 64),
 			e.newSlice(transport.Write, localB, 0, owner, 64, 64),
-			e.newSlice(transport.Read, localA, 2*mib, owner, 2*mib, 32<<10),
+			e.newSlice(transport.Read, localA, 8192, owner, 8192, 64),
 		)
 	}
-	// Abort as soon as the owner copies the first bytes: the sender is then
-	// still in its first burst, writing rather than waiting for the socket.
-	var start time.Time
-	var once sync.Once
-	aborted := make(chan struct{})
-	started := make(chan struct{})
-	e.owner.OnEnter(func() {
-		once.Do(func() {
-			start = time.Now()
-			close(started)
-			go func() {
-				e.ep.Abort(errors.New("transporttest: abort"))
-				close(aborted)
-			}()
-		})
-	})
-	e.ep.Post(base(ss))
-	select {
-	case <-started:
-	case <-time.After(5 * time.Second):
-		t.Fatalf("the owner never copied a byte")
+	for range bigReads {
+		ss = append(ss, e.newSlice(transport.Read, localA, mib, owner, mib, mib))
 	}
+	for range bigWrites {
+		ss = append(ss, e.newSlice(transport.Write, localA, 2*mib, owner, 2*mib, mib))
+	}
+	e.ep.Post(base(ss))
+	if !waitFor(5*time.Second, func() bool { return e.owner.Admits.Load() >= 2000 }) {
+		t.Fatalf("the owner admitted only %d slices in 5 s", e.owner.Admits.Load())
+	}
+	start := time.Now()
+	aborted := make(chan struct{})
+	go func() {
+		e.ep.Abort(errors.New("transporttest: abort"))
+		close(aborted)
+	}()
+	for !e.ep.Dead() {
+		if time.Since(start) > 5*time.Second {
+			t.Fatalf("Dead() is still false 5 s after Abort was called")
+		}
+		runtime.Gosched()
+	}
+	release := e.owner.Hold()
+	t.Cleanup(release)
 	select {
 	case <-aborted:
-	case <-time.After(abortPromptly):
-		dumpGoroutines(t)
-		// The factory's teardown cuts the path from the owner's side,
-		// which ends this Abort; waiting here for a socket timeout would
-		// only slow the suite down.
-		e.leak.Store(true)
-		t.Fatalf("Abort has not returned %v after it was called on a path whose owner is alive", abortPromptly)
+	case <-time.After(500 * time.Millisecond):
+		release()
+		select {
+		case <-aborted:
+		case <-time.After(abortPromptly):
+			dumpGoroutines(t)
+			// The factory's teardown cuts the path from the owner's side,
+			// which ends this Abort; waiting here for a socket timeout
+			// would only slow the suite down.
+			e.leak.Store(true)
+			t.Fatalf("Abort has not returned %v after it was called, nor %v after the owner was let go",
+				time.Since(start).Round(time.Millisecond), abortPromptly)
+		}
 	}
 	t.Logf("Abort returned after %v", time.Since(start).Round(time.Microsecond))
+	release()
 	if !wait(t, ss, doneTimeout) {
 		e.leak.Store(true)
 		t.FailNow()
@@ -1028,4 +1129,77 @@ func testAbortLongPost(t *testing.T, f Factory) {
 		}
 	}
 	t.Logf("%d slices completed, %d failed by the abort", ok, conn)
+}
+
+// testRepostAfterAbort does what the engine does with a slice that failed
+// on a broken path: its Done resets it and posts it again on another path.
+// The aborted path must never touch it again: it ends exactly once on each
+// path, and its data arrives through the second.
+func testRepostAfterAbort(t *testing.T, f Factory) {
+	e := newEnv(t, f)
+	second := f(t, e.owner)
+	owner := e.alloc(e.ownerReg, 32*mib, 71)
+	local := e.alloc(e.initReg, 48*mib, 72)
+	tail := e.tail(owner, local, 16)
+	// The tail is reposted from its first Done; the head is not.
+	type outcome struct {
+		first, second error
+		calls         atomic.Int32
+		done          chan struct{}
+	}
+	outcomes := make([]*outcome, len(tail))
+	for i, s := range tail {
+		o := &outcome{done: make(chan struct{})}
+		outcomes[i] = o
+		s.Done = func(ts *transport.Slice, err error) {
+			switch o.calls.Add(1) {
+			case 1:
+				o.first = err
+				ts.Reset()
+				go second.Post([]*transport.Slice{ts})
+			case 2:
+				o.second = err
+				close(o.done)
+			}
+		}
+	}
+	head, release := e.stalled(t, owner, local, tail)
+	ownerWant := bytes.Clone(owner.all)
+	e.abort(t, release)
+	if !wait(t, head, doneTimeout) {
+		e.leak.Store(true)
+		t.FailNow()
+	}
+	for i, o := range outcomes {
+		select {
+		case <-o.done:
+		case <-time.After(doneTimeout):
+			e.leak.Store(true)
+			t.Fatalf("slice %s did not end on the second endpoint (Done called %d times)", tail[i].name, o.calls.Load())
+		}
+	}
+	time.Sleep(20 * time.Millisecond)
+	for i, o := range outcomes {
+		s := tail[i]
+		if n := o.calls.Load(); n != 2 {
+			t.Errorf("slice %s: Done called %d times over two endpoints, want 2", s.name, n)
+		}
+		if !errors.Is(o.first, transport.ErrConnection) {
+			t.Errorf("slice %s ended on the aborted endpoint with %v; want an error matching transport.ErrConnection", s.name, o.first)
+		}
+		if o.second != nil {
+			t.Errorf("slice %s failed when posted again: %v", s.name, o.second)
+		}
+		lo := GuardLen + int(s.Remote-owner.reg.Addr)
+		ll := GuardLen + int(memory.AddrOf(s.Local)-local.reg.Addr)
+		if s.Op == transport.Write {
+			copy(ownerWant[lo:lo+len(s.Local)], local.all[ll:ll+len(s.Local)])
+		}
+		compare(t, "data of reposted "+s.name, owner.all[lo:lo+len(s.Local)], local.all[ll:ll+len(s.Local)])
+	}
+	// The tail's owner range: only the reposted WRITEs changed it.
+	compare(t, "owner memory under the tail", ownerWant[GuardLen+16*mib:], owner.all[GuardLen+16*mib:])
+	if second.Dead() {
+		t.Errorf("the second endpoint died")
+	}
 }
