@@ -72,11 +72,12 @@ type Batch struct {
 	e        *Engine
 	capacity int
 
-	mu      sync.Mutex
-	tasks   []*task
-	freed   bool
-	running int           // tasks not final
-	idle    chan struct{} // closed while running == 0
+	mu         sync.Mutex
+	tasks      []*task
+	freed      bool
+	running    atomic.Int64  // tasks not final
+	idle       chan struct{} // closed once running reaches 0
+	idleClosed bool
 }
 
 type task struct {
@@ -108,7 +109,7 @@ func (e *Engine) AllocateBatch(capacity int) (*Batch, error) {
 	if capacity <= 0 {
 		return nil, fmt.Errorf("allocate batch: %w: capacity %d", ErrInvalidArg, capacity)
 	}
-	b := &Batch{e: e, capacity: capacity, idle: make(chan struct{})}
+	b := &Batch{e: e, capacity: capacity, idle: make(chan struct{}), idleClosed: true}
 	close(b.idle)
 	e.liveMu.Lock()
 	e.live[b] = struct{}{}
@@ -156,10 +157,10 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 		b.mu.Unlock()
 		return fmt.Errorf("submit: %w", ErrBatchFull) // a concurrent submit filled it
 	}
-	if b.running == 0 {
-		b.idle = make(chan struct{})
+	if b.idleClosed {
+		b.idle, b.idleClosed = make(chan struct{}), false
 	}
-	b.running += len(tasks)
+	b.running.Add(int64(len(tasks)))
 	b.tasks = append(b.tasks, tasks...)
 	b.mu.Unlock()
 	e.stats.tasksInFlight.Add(int64(len(tasks)))
@@ -372,13 +373,14 @@ func (t *task) finish() {
 	}
 	t.status.Store(int32(st))
 	e.stats.tasksInFlight.Add(-1)
-	b := t.b
-	b.mu.Lock()
-	b.running--
-	if b.running == 0 {
-		close(b.idle)
+	if b := t.b; b.running.Add(-1) == 0 {
+		b.mu.Lock()
+		if b.running.Load() == 0 && !b.idleClosed {
+			close(b.idle)
+			b.idleClosed = true
+		}
+		b.mu.Unlock()
 	}
-	b.mu.Unlock()
 }
 
 func cancelErr(st TaskStatus) error {
@@ -498,8 +500,7 @@ func (b *Batch) Free() error {
 		b.mu.Unlock()
 		return ErrBatchFreed
 	}
-	if b.running > 0 {
-		n := b.running
+	if n := b.running.Load(); n > 0 {
 		b.mu.Unlock()
 		return fmt.Errorf("free batch: %w: %d of %d tasks", ErrBatchBusy, n, len(b.tasks))
 	}

@@ -143,24 +143,16 @@ func (e *Engine) FreeBuffer(addr uint64) error {
 	return memory.Free(mem)
 }
 
-// regionTarget is owner memory admitted for one access.
-type regionTarget struct {
-	*memory.Region
-	b []byte
-}
-
-func (t regionTarget) Bytes() []byte { return t.b }
-
 // Admit checks a peer's (or our own local transport's) access against the
 // registry: the key must be current and the range inside it. It implements
 // transport.Owner.
 func (e *Engine) Admit(a *transport.Access) (transport.Target, error) {
 	if a.Op != transport.Read && a.Op != transport.Write {
-		return nil, fmt.Errorf("%w: op %d", ErrInvalidArg, a.Op)
+		return transport.Target{}, fmt.Errorf("%w: op %d", ErrInvalidArg, a.Op)
 	}
 	r, err := e.reg.Lookup(a.Key, a.Addr, a.Length)
 	if err != nil {
-		return nil, err
+		return transport.Target{}, err
 	}
-	return regionTarget{Region: r, b: r.Bytes(a.Addr, a.Length)}, nil
+	return transport.Target{Guard: r, Mem: r.Bytes(a.Addr, a.Length)}, nil
 }

@@ -71,23 +71,27 @@ type Access struct {
 // with its registry (and, with safe abort, its per-request state).
 type Owner interface {
 	// Admit checks an access before any byte moves. On success the
-	// transport copies through the returned Target, entering it around
-	// each chunk.
+	// transport copies into or out of Target.Mem, entering Target.Guard
+	// around each chunk.
 	Admit(a *Access) (Target, error)
 }
 
-// Target is owner memory admitted for one access.
-type Target interface {
-	// Enter is called before each chunk is copied and fails once the
-	// access may no longer proceed (memory unregistered, request aborted);
-	// the rest of the access is then refused. Enter must be paired with
-	// Leave and must not be held across a blocking wait.
+// Guard is held around each chunk a transport copies into or out of
+// memory: Enter fails once the access may no longer proceed (memory
+// unregistered, request aborted), and the rest of the access is then
+// refused. Enter never blocks, must be paired with Leave, and must not be
+// held across a blocking wait. *memory.Region is one.
+type Guard interface {
 	Enter() error
-	// Leave ends the chunk begun by Enter.
 	Leave()
-	// Bytes is the whole admitted range; touch it only between Enter and
-	// Leave.
-	Bytes() []byte
+}
+
+// Target is owner memory admitted for one access: touch Mem only between
+// Guard.Enter and Guard.Leave. It is a value, so admitting costs no
+// allocation.
+type Target struct {
+	Guard Guard
+	Mem   []byte
 }
 
 // Slice states. A slice moves forward only: Queued -> Active -> Sent ->

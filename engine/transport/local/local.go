@@ -118,17 +118,17 @@ func (ep *endpoint) copy(s *transport.Slice) error {
 	if err != nil {
 		return fmt.Errorf("%w: %w", transport.ErrRefused, err)
 	}
-	remote := tgt.Bytes()
+	remote, g := tgt.Mem, tgt.Guard
 	for off := 0; off < len(remote); off += ChunkSize {
 		if ep.dead.Load() {
 			return fmt.Errorf("local: %w: %w", transport.ErrConnection, ep.reason)
 		}
 		end := min(off+ChunkSize, len(remote))
-		if err := tgt.Enter(); err != nil {
+		if err := g.Enter(); err != nil {
 			return fmt.Errorf("%w: %w (%d of %d bytes moved)", transport.ErrRefused, err, off, len(remote))
 		}
 		if err := s.LocalReg.Enter(); err != nil {
-			tgt.Leave()
+			g.Leave()
 			return fmt.Errorf("local memory: %w (%d of %d bytes moved)", err, off, len(remote))
 		}
 		if s.Op == transport.Write {
@@ -137,7 +137,7 @@ func (ep *endpoint) copy(s *transport.Slice) error {
 			copy(s.Local[off:end], remote[off:end])
 		}
 		s.LocalReg.Leave()
-		tgt.Leave()
+		g.Leave()
 	}
 	return nil
 }

@@ -7,16 +7,14 @@ import (
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvferry/kvferry/engine/transport"
 )
 
 // guard is held around each non-blocking copy into or out of registered
-// memory (a memory.Region, a transport.Target). It is never held while the
-// goroutine waits for the socket, so a peer that stops mid-frame cannot stall
-// an Unregister or an Abort.
-type guard interface {
-	Enter() error
-	Leave()
-}
+// memory. It is never held while the goroutine waits for the socket, so a
+// peer that stops mid-frame cannot stall an Unregister or an Abort.
+type guard = transport.Guard
 
 // rawConn reads and writes a socket with non-blocking syscalls, waiting in
 // Go's netpoller (which honours the connection's deadlines) between them.

@@ -160,7 +160,7 @@ func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 		c.answer(&ack, 0)
 		return c.flushIfFull()
 	}
-	landed, tailN, refusal, err := c.raw.readGuarded(tgt.Bytes(), tgt, c.next[:])
+	landed, tailN, refusal, err := c.raw.readGuarded(tgt.Mem, tgt.Guard, c.next[:])
 	if err != nil {
 		return err
 	}
@@ -191,7 +191,7 @@ func (c *ownerConn) serveRead(h *header, a *transport.Access) error {
 	}
 	c.answer(&header{typ: frameReadData, seq: h.seq, requestID: h.requestID, generation: h.generation, length: h.length}, 0)
 	_ = c.conn.SetWriteDeadline(time.Now().Add(t.opts.IOTimeout))
-	sent, refusal, err := c.raw.writeGuarded(c.answers, tgt.Bytes(), tgt)
+	sent, refusal, err := c.raw.writeGuarded(c.answers, tgt.Mem, tgt.Guard)
 	c.answers, c.answerFrames, c.answerBytes = c.answers[:0], 0, 0
 	if err != nil {
 		return err

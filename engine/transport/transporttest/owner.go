@@ -47,14 +47,14 @@ func (o *Owner) Admit(a *transport.Access) (transport.Target, error) {
 	}
 	if a.Op != transport.Read && a.Op != transport.Write {
 		o.Refused.Add(1)
-		return nil, fmt.Errorf("%w: %v", errBadOp, a.Op)
+		return transport.Target{}, fmt.Errorf("%w: %v", errBadOp, a.Op)
 	}
 	r, err := o.Registry.Lookup(a.Key, a.Addr, a.Length)
 	if err != nil {
 		o.Refused.Add(1)
-		return nil, err
+		return transport.Target{}, err
 	}
-	return &target{o: o, r: r, b: r.Bytes(a.Addr, a.Length)}, nil
+	return transport.Target{Guard: &target{o: o, r: r}, Mem: r.Bytes(a.Addr, a.Length)}, nil
 }
 
 // Hold makes every Admit from now on wait until release is called (which
@@ -95,7 +95,6 @@ func (o *Owner) OnEnter(f func()) {
 type target struct {
 	o *Owner
 	r *memory.Region
-	b []byte
 }
 
 func (t *target) Enter() error {
@@ -110,4 +109,3 @@ func (t *target) Enter() error {
 }
 
 func (t *target) Leave()        { t.r.Leave() }
-func (t *target) Bytes() []byte { return t.b }
