@@ -21,7 +21,7 @@ run: build
 	$(BIN)/kvferry-bench --mode loopback --op write --block-size 1048576 --threads 4 --duration 5
 	$(BIN)/kvferry-bench --mode loopback --op read --block-size 1048576 --threads 4 --duration 5
 
-test: deps fmt-check vet test-go test-race fuzz-short
+test: deps fmt-check vet test-go test-race fuzz-short test-c
 	@echo "make test: all passed"
 
 fmt-check:
@@ -51,3 +51,25 @@ bench: build
 
 clean:
 	rm -rf $(BIN)
+
+# C ABI: libkvferry.so, include/kvferry.h(pp), CMake and pkg-config packages,
+# built by CMake (which runs go build -buildmode=c-shared) in BUILD_DIR.
+BUILD_DIR ?= build
+CMAKE     ?= cmake
+CMAKE_GEN := $(if $(shell command -v ninja 2>/dev/null),-G Ninja,)
+.PHONY: lib install test-c
+
+# build/libkvferry.so (-> .so.0 -> .so.MAJOR.MINOR.PATCH)
+lib: deps
+	$(CMAKE) -S . -B $(BUILD_DIR) $(CMAKE_GEN) -DCMAKE_INSTALL_PREFIX=$(PREFIX)
+	$(CMAKE) --build $(BUILD_DIR) --target kvferry_lib
+
+# make install PREFIX=/opt/kvferry: library, headers, kvferryConfig.cmake, kvferry.pc
+install: lib
+	$(CMAKE) --install $(BUILD_DIR) --prefix $(PREFIX)
+
+# The C and C++ tests (AddressSanitizer, installed-package consumers) through ctest.
+test-c: deps
+	$(CMAKE) -S . -B $(BUILD_DIR) $(CMAKE_GEN)
+	$(CMAKE) --build $(BUILD_DIR)
+	cd $(BUILD_DIR) && ctest --output-on-failure -j2 --timeout 300

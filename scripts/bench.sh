@@ -21,13 +21,16 @@ median() { sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 
 iperf_gbps() { # one iperf3 run, $1 = block size; prints GB/s (1e9 bytes)
   command -v iperf3 >/dev/null || { echo "n/a"; return; }
-  local port=$((20000 + RANDOM % 20000))
+  local port=$((20000 + RANDOM % 20000)) json
   iperf3 -s -1 -p "$port" >/dev/null 2>&1 &
   local srv=$!
-  sleep 0.3
-  iperf3 -c 127.0.0.1 -p "$port" -l "$1" -P "$THREADS" -t "$DURATION" -J 2>/dev/null |
-    python3 -c 'import json,sys; print("%.3f" % (json.load(sys.stdin)["end"]["sum_received"]["bits_per_second"]/8e9))' || echo "n/a"
+  sleep 0.5
+  json=$(timeout $((DURATION + 10)) iperf3 -c 127.0.0.1 -p "$port" -l "$1" -P "$THREADS" -t "$DURATION" -J 2>/dev/null || true)
+  kill "$srv" 2>/dev/null || true
   wait "$srv" 2>/dev/null || true
+  python3 -c 'import json,sys
+try: print("%.3f" % (json.loads(sys.argv[1])["end"]["sum_received"]["bits_per_second"]/8e9))
+except Exception: print("n/a")' "$json"
 }
 
 printf "%-6s %-9s %10s %10s %10s %8s\n" op block kvferry raw-tcp iperf3 ratio

@@ -108,4 +108,4 @@ func (t *target) Enter() error {
 	return nil
 }
 
-func (t *target) Leave()        { t.r.Leave() }
+func (t *target) Leave() { t.r.Leave() }
