@@ -239,7 +239,9 @@ func (b *Batch) post(ctx context.Context, tasks []*task) {
 	}
 	groups := map[*Segment][]group{}
 	for _, t := range tasks {
-		t.status.Store(int32(Pending))
+		// A cancel may have ended the task already (Close, Batch.Cancel
+		// racing this Submit): never overwrite a final state.
+		t.status.CompareAndSwap(int32(Waiting), int32(Pending))
 		seg := t.req.Segment
 		g := groups[seg]
 		if g == nil {

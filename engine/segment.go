@@ -65,8 +65,14 @@ type Segment struct {
 // Name is the segment's name, "host:port".
 func (s *Segment) Name() string { return s.name }
 
-// Descriptor returns the cached descriptor.
-func (s *Segment) Descriptor() *control.Descriptor { return s.desc.Load() }
+// Descriptor returns the segment's descriptor: the cached one for a peer,
+// the current one for the engine itself.
+func (s *Segment) Descriptor() *control.Descriptor {
+	if s.self {
+		return s.e.Descriptor()
+	}
+	return s.desc.Load()
+}
 
 // OpenSegment opens the segment called name ("host:port"), fetching its
 // descriptor; the engine's own name opens the local segment.

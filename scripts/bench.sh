@@ -13,8 +13,20 @@ OPS=${OPS:-"write read"}
 THREADS=${THREADS:-4}
 ROUNDS=${ROUNDS:-3}
 DURATION=${DURATION:-3}
-MODE=${MODE:-loopback}        # or initiator, with SEGMENT=host:port of a running target
-SEGMENT=${SEGMENT:-}
+MODE=${MODE:-loopback}        # loopback, or process: a target process of its own, then initiator runs
+SEGMENT=${SEGMENT:-}          # with MODE=initiator: host:port of a target already running
+
+if [ "$MODE" = process ]; then
+  tout=$(mktemp)
+  "$BENCH" --mode target --buffer-size $((256 << 20)) >"$tout" 2>&1 &
+  target=$!
+  trap 'kill $target 2>/dev/null; rm -f "$tout"' EXIT
+  for _ in $(seq 50); do grep -q "target ready" "$tout" && break; sleep 0.1; done
+  SEGMENT=$(sed -n 's/.*segment=\([^ ]*\).*/\1/p' "$tout")
+  [ -n "$SEGMENT" ] || { cat "$tout"; echo "target did not start"; exit 1; }
+  MODE=initiator
+  echo "target process $target serves segment $SEGMENT"
+fi
 
 gbps() { sed -n 's/.* gbps=\([0-9.]*\).*/\1/p'; }
 median() { sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }

@@ -274,10 +274,17 @@ func (ep *endpoint) receiveData(s *transport.Slice) error {
 		s.LocalReg.Leave()
 		ep.inStart += buffered
 	}
-	_, _, refusal, err := ep.in.readGuarded(s.Local[buffered:], s.LocalReg, nil)
+	if buffered == len(s.Local) {
+		return nil
+	}
+	// The buffer is empty now. READ_DONE follows the payload at once, and
+	// often the next READ_DATA header: read them in the payload's last
+	// syscall.
+	_, tail, refusal, err := ep.in.readGuarded(s.Local[buffered:], s.LocalReg, ep.inBuf[:2*HeaderSize])
 	if err != nil {
 		return err
 	}
+	ep.inStart, ep.inEnd = 0, tail
 	if refusal != nil {
 		s.Finish(fmt.Errorf("local memory: %w", refusal)) // READ_DONE clears it
 	}

@@ -15,10 +15,14 @@ type ownerConn struct {
 	t    *Transport
 	conn *net.TCPConn
 	raw  *rawConn
-	// next holds the start of the next frame's header when a payload read
-	// pulled it in along with the payload's last bytes.
-	next     [HeaderSize]byte
-	nextFill int
+	// in holds frame headers read ahead: after a READ frame (no payload)
+	// the next ones are likely READs too, so several are read at once;
+	// after a WRITE only one header is read, in the payload's last syscall.
+	// Payload bytes that land here at a switch from READs to a WRITE are
+	// copied to their place (at most len(in) bytes).
+	in             [16 * HeaderSize]byte
+	inStart, inEnd int
+	lastWrite      bool
 	// answers are WRITE_ACKs not yet written: they go out together when
 	// the socket has nothing more to read, or once enough piled up.
 	answers      []byte
@@ -46,11 +50,11 @@ func (t *Transport) serve(conn *net.TCPConn) {
 	c := &ownerConn{t: t, conn: conn, raw: newRawConn(rc)}
 	var h header
 	_ = conn.SetReadDeadline(time.Now().Add(t.opts.HandshakeTimeout))
-	if err := c.raw.readFull(c.next[:]); err != nil {
+	if err := c.raw.readFull(c.in[:HeaderSize]); err != nil {
 		t.protoErr(conn, "handshake", err)
 		return
 	}
-	if err := h.decode(c.next[:]); err != nil || h.typ != frameHello {
+	if err := h.decode(c.in[:HeaderSize]); err != nil || h.typ != frameHello {
 		t.protoErr(conn, "handshake", fmt.Errorf("%w: want HELLO, got type %d (%v)", errBadFrame, h.typ, err))
 		return
 	}
@@ -100,8 +104,16 @@ func (t *Transport) serve(conn *net.TCPConn) {
 // the socket it writes the answers held back, so an initiator never waits on
 // an answer while we wait on it.
 func (c *ownerConn) readHeader(h *header) error {
-	for c.nextFill < HeaderSize {
-		_, n, _, err := c.raw.readv(nil, c.next[c.nextFill:], nil, len(c.answers) == 0)
+	for c.inEnd-c.inStart < HeaderSize {
+		if c.inStart > 0 {
+			c.inEnd = copy(c.in[:], c.in[c.inStart:c.inEnd])
+			c.inStart = 0
+		}
+		limit := len(c.in)
+		if c.lastWrite {
+			limit = HeaderSize
+		}
+		_, n, _, err := c.raw.readv(nil, c.in[c.inEnd:limit], nil, len(c.answers) == 0)
 		if err != nil {
 			return err
 		}
@@ -111,10 +123,19 @@ func (c *ownerConn) readHeader(h *header) error {
 			}
 			continue
 		}
-		c.nextFill += n
+		c.inEnd += n
 	}
-	c.nextFill = 0
-	return h.decode(c.next[:])
+	hb := c.in[c.inStart : c.inStart+HeaderSize]
+	c.inStart += HeaderSize
+	return h.decode(hb)
+}
+
+// takeBuffered hands over up to n payload bytes read ahead with headers.
+func (c *ownerConn) takeBuffered(n int) []byte {
+	k := min(n, c.inEnd-c.inStart)
+	b := c.in[c.inStart : c.inStart+k]
+	c.inStart += k
+	return b
 }
 
 // answer queues an answer frame.
@@ -150,21 +171,39 @@ func (c *ownerConn) flushIfFull() error {
 func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 	t := c.t
 	ack := header{typ: frameWriteAck, seq: h.seq, requestID: h.requestID, generation: h.generation}
+	c.lastWrite = true
 	tgt, err := t.owner.Admit(a)
 	if err != nil {
 		ack.status = statusOf(err)
 		t.stats.refused.Add(1)
-		if err := c.raw.discard(int(h.length)); err != nil {
+		ahead := c.takeBuffered(int(h.length))
+		if err := c.raw.discard(int(h.length) - len(ahead)); err != nil {
 			return err
 		}
 		c.answer(&ack, 0)
 		return c.flushIfFull()
 	}
-	landed, tailN, refusal, err := c.raw.readGuarded(tgt.Mem, tgt.Guard, c.next[:])
-	if err != nil {
-		return err
+	landed := 0
+	var refusal error
+	if ahead := c.takeBuffered(len(tgt.Mem)); len(ahead) > 0 {
+		if refusal = tgt.Guard.Enter(); refusal == nil {
+			landed = copy(tgt.Mem, ahead)
+			tgt.Guard.Leave()
+		} else if err := c.raw.discard(len(tgt.Mem) - len(ahead)); err != nil {
+			return err
+		}
 	}
-	c.nextFill = tailN
+	if refusal == nil && landed < len(tgt.Mem) {
+		// The read-ahead buffer is empty now: the next header may come in
+		// the payload's last syscall.
+		var n, tail int
+		n, tail, refusal, err = c.raw.readGuarded(tgt.Mem[landed:], tgt.Guard, c.in[:HeaderSize])
+		if err != nil {
+			return err
+		}
+		landed += n
+		c.inStart, c.inEnd = 0, tail
+	}
 	t.stats.bytesIn.Add(uint64(landed))
 	ack.done = uint64(landed)
 	if refusal != nil {
@@ -181,6 +220,7 @@ func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 // answers go out in the same write as READ_DATA's header.
 func (c *ownerConn) serveRead(h *header, a *transport.Access) error {
 	t := c.t
+	c.lastWrite = false
 	done := header{typ: frameReadDone, seq: h.seq, requestID: h.requestID, generation: h.generation}
 	tgt, err := t.owner.Admit(a)
 	if err != nil {
