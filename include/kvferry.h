@@ -1,0 +1,475 @@
+/*
+ * kvferry.h - C API of kvferry, a KV-cache transfer engine.
+ *
+ * kvferry moves bytes between the registered memory of engines ("segments")
+ * with batches of one-sided READ and WRITE requests. Every request carries an
+ * application request id, every synchronous call has a deadline, and when a
+ * call that named memory returns, the engine no longer touches that memory.
+ *
+ * Conventions (the same for every function):
+ *
+ *  - Every function except the version and string functions returns a
+ *    kvf_status: KVF_OK (0) on success, a positive KVF_ERR_* code otherwise.
+ *    On failure, kvf_last_error() returns a detailed message for the calling
+ *    thread. Output parameters are written only on success unless a function
+ *    says otherwise.
+ *  - Handles (kvf_engine, kvf_segment, kvf_batch) are opaque. They are not
+ *    pointers to memory: the library validates each one on every call, so a
+ *    NULL, stale (destroyed, closed, freed), garbage or wrong-kind handle
+ *    returns KVF_ERR_HANDLE and never crashes. Destroying an engine makes its
+ *    segment and batch handles stale.
+ *  - Every function is thread-safe; handles may be used from any thread.
+ *  - NULL pointers where an object is required, zero lengths and address
+ *    ranges that wrap around return KVF_ERR_INVALID. The library cannot check
+ *    that a non-NULL data pointer is valid: a wild address (into unmapped
+ *    memory, or memory freed while registered) is the caller's fault, as in
+ *    any C API, and may crash the process.
+ *  - The library keeps no pointer to caller memory after a call returns,
+ *    except registered memory (until it is unregistered) and buffers from
+ *    kvf_alloc_buffer (owned by the engine).
+ *  - Timeouts are in milliseconds; KVF_TIMEOUT_DEFAULT (-1) means the
+ *    engine's default timeout (30 s unless configured). Nothing waits forever.
+ *  - Structs that may grow start with `uint32_t struct_size`: set it to
+ *    sizeof the struct (the *_init helpers do), so programs built against an
+ *    older header keep working with a newer library.
+ *
+ * Process rules: the library contains the Go runtime. It is loaded once and
+ * cannot be unloaded (dlclose is a no-op). After fork(), the child must not
+ * call kvferry before exec (fork+exec and posix_spawn are fine). KVFERRY_*
+ * environment variables are read as they were when the library was loaded;
+ * set run-time settings through kvf_engine_options instead.
+ *
+ * This header compiles as C99 and later, and as C++ (extern "C").
+ */
+#ifndef KVFERRY_H
+#define KVFERRY_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Version                                                                  */
+/* ------------------------------------------------------------------------ */
+
+#define KVF_VERSION_MAJOR 0
+#define KVF_VERSION_MINOR 1
+#define KVF_VERSION_PATCH 0
+/* MAJOR * 10000 + MINOR * 100 + PATCH, as zstd's ZSTD_VERSION_NUMBER. */
+#define KVF_VERSION_NUMBER \
+    (KVF_VERSION_MAJOR * 10000 + KVF_VERSION_MINOR * 100 + KVF_VERSION_PATCH)
+#define KVF_VERSION_STRING "0.1.0"
+
+/* The library's KVF_VERSION_NUMBER, to check that header and library agree
+ * (the major version must match; a library at least as new as the header is
+ * required for the functions the header declares). Never fails. */
+uint32_t kvf_version(void);
+
+/* The library's version as "MAJOR.MINOR.PATCH"; a static string. */
+const char *kvf_version_string(void);
+
+/* ------------------------------------------------------------------------ */
+/* Status codes                                                             */
+/* ------------------------------------------------------------------------ */
+
+typedef enum kvf_status {
+    KVF_OK = 0,
+    KVF_ERR_INVALID = 1,         /* invalid argument: NULL pointer, zero length,
+                                    wrapping range, bad option or op, bad index */
+    KVF_ERR_HANDLE = 2,          /* NULL, stale, garbage or wrong-kind handle, or
+                                    a handle of another engine */
+    KVF_ERR_OVERLAP = 3,         /* range overlaps a registered range */
+    KVF_ERR_NOT_REGISTERED = 4,  /* local memory (or, on the engine's own
+                                    segment, the target range) is not registered */
+    KVF_ERR_REMOTE_RANGE = 5,    /* the peer has not registered the remote range */
+    KVF_ERR_STALE_KEY = 6,       /* the range was unregistered (and maybe
+                                    registered again) since the request was planned */
+    KVF_ERR_REFUSED = 7,         /* the owner of the memory refused the access */
+    KVF_ERR_TIMEOUT = 8,         /* a deadline passed */
+    KVF_ERR_CANCELED = 9,        /* canceled by the caller or by destroy */
+    KVF_ERR_CONNECTION = 10,     /* a data connection broke (after retries) */
+    KVF_ERR_UNREACHABLE = 11,    /* the peer did not answer, or was declared
+                                    dead after missed heartbeats */
+    KVF_ERR_BUSY = 12,           /* the batch still has tasks in flight */
+    KVF_ERR_BATCH_FULL = 13,     /* more requests than the batch's capacity */
+    KVF_ERR_CLOSED = 14,         /* the engine is being destroyed */
+    KVF_ERR_UNSUPPORTED = 15,    /* not supported by this build or version */
+    KVF_ERR_TRANSFER_FAILED = 16,/* a transfer failed for another reason */
+    KVF_ERR_NO_MEMORY = 17,      /* out of memory */
+    KVF_ERR_INTERNAL = 18,       /* a bug in kvferry; the message says where */
+    KVF_ERR_ABORTED = 19,        /* the owner aborted the request id */
+    KVF_ERR_PROTOCOL = 20,       /* a peer sent a malformed or unexpected message */
+    KVF_ERR_TRUNCATED = 21       /* the output buffer is too small; the length
+                                    needed was reported */
+} kvf_status;
+
+/* Largest status code of this version. */
+#define KVF_STATUS_MAX 21
+
+/* A static, never NULL, English name of a status code, e.g. "invalid
+ * argument"; "unknown status" for codes this version does not know. */
+const char *kvf_status_str(int status);
+
+/* The detailed message of the last failed call made by the calling thread,
+ * e.g. "kvf_batch_submit: request 3: local memory: range is not registered:
+ * [0x7f.., +64)". Successful calls leave it unchanged. Never NULL ("" when
+ * this thread saw no failure). The string belongs to the library and stays
+ * valid on this thread until its next failing kvferry call. Messages longer
+ * than 2047 bytes are truncated. */
+const char *kvf_last_error(void);
+
+/* ------------------------------------------------------------------------ */
+/* Handles and common types                                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef struct kvf_engine_s *kvf_engine;   /* one transfer engine */
+typedef struct kvf_segment_s *kvf_segment; /* an open peer, or the engine itself */
+typedef struct kvf_batch_s *kvf_batch;     /* a set of requests waited on together */
+
+#define KVF_TIMEOUT_DEFAULT (-1)
+
+/* ------------------------------------------------------------------------ */
+/* Engine                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* Log levels of kvf_engine_options.log_level. */
+enum {
+    KVF_LOG_DEFAULT = 0, /* KVFERRY_LOG_LEVEL, else info */
+    KVF_LOG_DEBUG = 1,
+    KVF_LOG_INFO = 2,
+    KVF_LOG_WARN = 3,
+    KVF_LOG_ERROR = 4,
+    KVF_LOG_OFF = 5      /* no logs at all */
+};
+
+/* Flags of kvf_engine_options.flags. */
+#define KVF_ENGINE_IGNORE_ENV 0x1u /* do not let KVFERRY_* variables override */
+
+/* Options of kvf_engine_create. Zero (or NULL) fields take the defaults;
+ * KVFERRY_* environment variables override fields unless
+ * KVF_ENGINE_IGNORE_ENV is set. Initialise with kvf_engine_options_init. */
+typedef struct kvf_engine_options {
+    uint32_t struct_size;       /* sizeof(kvf_engine_options) */
+    uint32_t flags;             /* KVF_ENGINE_* flags */
+    const char *host;           /* listen address and host part of the segment
+                                   name; NULL: "127.0.0.1". IPv6 bare: "::1" */
+    const char *protocol;       /* data-plane transport; NULL: "tcp" */
+    int32_t port;               /* control port; 0: a free one (see kvf_engine_name) */
+    int32_t paths_per_peer;     /* connections per peer, 1..64; 0: 4 */
+    uint64_t slice_size;        /* largest piece of a request, 4 KiB..64 MiB;
+                                   0: 256 KiB */
+    int32_t max_retries;        /* re-posts of a slice after a broken path; 0: 2 */
+    int32_t default_timeout_ms; /* deadline of calls given KVF_TIMEOUT_DEFAULT;
+                                   0: 30000 */
+    int32_t io_timeout_ms;      /* bound on one blocked socket write; 0: 30000 */
+    int32_t heartbeat_ms;       /* ping period of open segments; 0: 1000 */
+    int32_t heartbeat_misses;   /* missed pings before a peer is dead; 0: 5 */
+    int32_t log_level;          /* KVF_LOG_*; logs go to stderr */
+    int32_t go_max_procs;       /* > 0: set the Go scheduler's thread count
+                                   (GOMAXPROCS) for the whole process; 0: keep */
+    int32_t reserved;           /* must be 0 */
+} kvf_engine_options;
+
+/* Sets every field to its default (zero) and struct_size to the size this
+ * program was compiled with. */
+static inline void kvf_engine_options_init(kvf_engine_options *opts) {
+    memset(opts, 0, sizeof *opts);
+    opts->struct_size = (uint32_t)sizeof *opts;
+}
+
+/* Creates an engine: binds its control plane on host:port and its data plane
+ * on host. opts may be NULL (all defaults). On success *out is the engine;
+ * destroy it with kvf_engine_destroy. A struct_size larger than this library
+ * knows is accepted when the unknown tail is all zero, else
+ * KVF_ERR_UNSUPPORTED. Blocks for the binds only. */
+kvf_status kvf_engine_create(const kvf_engine_options *opts, kvf_engine *out);
+
+/* Destroys an engine: transfers in flight end CANCELED, open segments are
+ * closed, batches freed, buffers from kvf_alloc_buffer that were not freed
+ * are unmapped, and every handle of the engine becomes stale. Returns once no
+ * thread, socket or copy of the engine remains (bounded by one socket write
+ * or one copy chunk). Calls racing with it on the same engine return an
+ * error (KVF_ERR_HANDLE once the handle is gone; KVF_ERR_CLOSED or
+ * KVF_ERR_CANCELED while it closes), never crash. */
+kvf_status kvf_engine_destroy(kvf_engine engine);
+
+/* Copies the engine's segment name, "host:port" ("[::1]:port" for IPv6),
+ * NUL-terminated, into buf of cap bytes. *len_out (may be NULL) receives the
+ * name's length without the NUL, also on KVF_ERR_TRUNCATED (cap <= length;
+ * nothing is written then). buf NULL with cap 0 is a length query and
+ * returns KVF_OK. Peers open the engine by this name. */
+kvf_status kvf_engine_name(kvf_engine engine, char *buf, size_t cap, size_t *len_out);
+
+/* A snapshot of an engine's counters. Set struct_size before the call; the
+ * library fills the fields it knows up to struct_size. */
+typedef struct kvf_stats {
+    uint32_t struct_size;      /* in: sizeof(kvf_stats) */
+    uint32_t reserved;
+    uint64_t bytes_written;    /* bytes of completed WRITE tasks we initiated */
+    uint64_t bytes_read;       /* bytes of completed READ tasks we initiated */
+    uint64_t tasks_completed;
+    uint64_t tasks_failed;     /* FAILED, TIMEOUT and ABORTED tasks */
+    uint64_t tasks_canceled;
+    int64_t tasks_in_flight;
+    uint64_t retries;          /* slices posted again after a broken path */
+    uint64_t owner_bytes_in;   /* bytes peers wrote into our memory */
+    uint64_t owner_bytes_out;  /* bytes peers read from our memory */
+    uint64_t owner_refused;    /* peer accesses we refused */
+    uint64_t refused_in_flight;/* refusals that struck mid-slice */
+    uint64_t protocol_errors;  /* data connections dropped for malformed frames */
+    uint64_t control_dropped;  /* malformed control messages dropped */
+    uint64_t control_late;     /* control replies that matched no request */
+    uint64_t registrations;    /* registered ranges */
+    uint64_t open_segments;
+} kvf_stats;
+
+/* Fills *out (struct_size set by the caller, at least 8). Never blocks. */
+kvf_status kvf_engine_stats(kvf_engine engine, kvf_stats *out);
+
+/* ------------------------------------------------------------------------ */
+/* Memory                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* Locations: NULL or "cpu" (host memory), "cpu:N" (NUMA node N), "*" (the
+ * engine finds the NUMA node). GPU locations ("cuda:N") return
+ * KVF_ERR_UNSUPPORTED in this version. */
+
+/* Registers [addr, addr+len) so that transfers may read or write it, locally
+ * and by peers. The memory stays owned by the caller, who must keep it mapped
+ * until kvf_unregister_memory returned. Ranges may not overlap a registered
+ * range (KVF_ERR_OVERLAP). Addresses in the first page (< 4096) are refused.
+ * Never blocks on the network. */
+kvf_status kvf_register_memory(kvf_engine engine, void *addr, size_t len, const char *location);
+
+/* Removes the registration starting at addr. Returns once no copy into or
+ * out of the range is in progress and none can start: the memory may be
+ * reused or freed at once. Transfers of it still queued fail. Blocks for at
+ * most one copy chunk. KVF_ERR_NOT_REGISTERED when nothing starts at addr. */
+kvf_status kvf_unregister_memory(kvf_engine engine, void *addr);
+
+typedef struct kvf_memory_range {
+    void *addr;
+    size_t len;
+    const char *location; /* as for kvf_register_memory; NULL: "cpu" */
+} kvf_memory_range;
+
+/* Registers n ranges, all or none. */
+kvf_status kvf_register_memory_batch(kvf_engine engine, const kvf_memory_range *ranges, size_t n);
+
+/* Unregisters n ranges by start address, all or none. */
+kvf_status kvf_unregister_memory_batch(kvf_engine engine, void *const *addrs, size_t n);
+
+/* Maps len bytes outside any heap (2 MiB huge pages when len is a multiple
+ * of 2 MiB and the system has them), zero-filled, and registers them. *out
+ * receives the address. The engine owns the memory: free it with
+ * kvf_free_buffer, or kvf_engine_destroy unmaps it. */
+kvf_status kvf_alloc_buffer(kvf_engine engine, size_t len, const char *location, void **out);
+
+/* Unregisters (waiting for copies in progress, as kvf_unregister_memory)
+ * and unmaps a buffer from kvf_alloc_buffer. KVF_ERR_INVALID when addr is not
+ * the start of such a buffer of this engine. */
+kvf_status kvf_free_buffer(kvf_engine engine, void *addr);
+
+/* ------------------------------------------------------------------------ */
+/* Segments                                                                 */
+/* ------------------------------------------------------------------------ */
+
+/* Opens the segment called name ("host:port"): fetches its descriptor (its
+ * registered buffers and transport addresses) from the peer itself. The
+ * engine's own name opens the local segment (transfers become a checked
+ * memcpy). Blocks up to timeout_ms (> 0, or KVF_TIMEOUT_DEFAULT: the
+ * engine's default); a peer that does not answer in time gives
+ * KVF_ERR_UNREACHABLE.
+ * Each call returns a new handle; handles of the same name share one
+ * connection set, which closes when the last of them is closed. */
+kvf_status kvf_open_segment(kvf_engine engine, const char *name, int timeout_ms, kvf_segment *out);
+
+/* Closes a segment handle. When it was the last handle of that name,
+ * transfers to the segment still in flight fail and the connections close.
+ * May wait for a kvf_open_segment of the same engine in progress. */
+kvf_status kvf_close_segment(kvf_segment segment);
+
+/* Number of registered buffers in the segment's cached descriptor (fetched
+ * at open, refreshed when a request names a range it lacks). */
+kvf_status kvf_segment_buffer_count(kvf_segment segment, size_t *count);
+
+/* Address and length of the segment's buffer number index (in address
+ * order) in the cached descriptor, e.g. to find the peer's first buffer as
+ * Mooncake's get_first_buffer_address does. KVF_ERR_INVALID when index is
+ * out of range. Either output may be NULL. */
+kvf_status kvf_segment_buffer(kvf_segment segment, size_t index, uint64_t *addr, uint64_t *len);
+
+/* Copies the segment's name like kvf_engine_name. */
+kvf_status kvf_segment_name(kvf_segment segment, char *buf, size_t cap, size_t *len_out);
+
+/* ------------------------------------------------------------------------ */
+/* Requests, batches and transfers                                          */
+/* ------------------------------------------------------------------------ */
+
+typedef enum kvf_op {
+    KVF_OP_READ = 0,  /* copy the segment's memory into ours */
+    KVF_OP_WRITE = 1  /* copy our memory into the segment's */
+} kvf_op;
+
+/* One transfer: length bytes between our registered memory at local and the
+ * segment's registered memory at remote. */
+typedef struct kvf_request {
+    uint32_t op;          /* kvf_op */
+    uint32_t flags;       /* must be 0 */
+    void *local;          /* in this process's registered memory */
+    kvf_segment segment;  /* the peer, or the local segment */
+    uint64_t remote;      /* address in the segment's registered memory */
+    uint64_t length;      /* bytes, > 0 */
+    uint64_t request_id;  /* the application's request id (0: none); aborts
+                             act per request id */
+} kvf_request;
+
+/* Task states. WAITING and PENDING are in flight; the others are final. */
+typedef enum kvf_task_state {
+    KVF_TASK_WAITING = 0,   /* accepted, not yet posted */
+    KVF_TASK_PENDING = 1,   /* posted, not all bytes landed */
+    KVF_TASK_COMPLETED = 2, /* every byte landed (a WRITE was applied by the owner) */
+    KVF_TASK_FAILED = 3,
+    KVF_TASK_TIMEOUT = 4,   /* the deadline passed; its memory is untouched since */
+    KVF_TASK_CANCELED = 5,  /* canceled; likewise */
+    KVF_TASK_ABORTED = 6    /* the owner aborted its request id */
+} kvf_task_state;
+
+/* A static name of a task state ("COMPLETED", ...), "UNKNOWN" otherwise. */
+const char *kvf_task_state_str(int state);
+
+typedef struct kvf_task_status {
+    int32_t state;        /* kvf_task_state */
+    int32_t error;        /* kvf_status: why a final task did not complete;
+                             KVF_OK while in flight or when COMPLETED */
+    uint64_t transferred; /* bytes confirmed moved; a lower bound if it failed */
+} kvf_task_status;
+
+/* Allocates a batch for up to capacity requests in total. Free it with
+ * kvf_batch_free. */
+kvf_status kvf_batch_alloc(kvf_engine engine, size_t capacity, kvf_batch *out);
+
+/* Checks every request of reqs[0..n), then starts them all; if any request
+ * is invalid (bad op or flags, NULL local, zero length, wrapping range,
+ * memory not registered here or at the segment) none starts and the error
+ * names the request's index ("request 3: ..."). Task i of the batch is the
+ * i-th request ever submitted to it. The array is read during the call
+ * only, converted in one pass. May block for a descriptor refresh or a
+ * connection setup, up to the engine's default timeout; small copies to the
+ * local segment run inside the call. */
+kvf_status kvf_batch_submit(kvf_batch batch, const kvf_request *reqs, size_t n);
+
+/* The state of task index (0-based, in submission order); KVF_ERR_INVALID
+ * when index >= the number of submitted requests. Never blocks. */
+kvf_status kvf_batch_status(kvf_batch batch, size_t index, kvf_task_status *out);
+
+/* The states of all tasks, in submission order: out receives
+ * min(cap, submitted) entries and *n_out (may be NULL) the number of
+ * submitted tasks. out may be NULL when cap is 0. Never blocks. */
+kvf_status kvf_batch_status_all(kvf_batch batch, kvf_task_status *out, size_t cap, size_t *n_out);
+
+/* Copies the message of task index's error (NUL-terminated; "" while the
+ * task is in flight or when it completed), like kvf_engine_name. */
+kvf_status kvf_batch_task_error(kvf_batch batch, size_t index, char *buf, size_t cap, size_t *len_out);
+
+/* Waits until every submitted task is final, or timeout_ms passed (0: do
+ * not wait). Returns KVF_OK when every task COMPLETED; when all are final but
+ * some did not complete, the error code of the first such task (its message
+ * in kvf_last_error); KVF_ERR_TIMEOUT when tasks are still in flight: they
+ * keep running - wait again, or cancel. timeout_ms: >= 0 or
+ * KVF_TIMEOUT_DEFAULT. Costs O(tasks submitted to the batch) after the wait:
+ * allocate a batch per set of requests rather than one huge batch. */
+kvf_status kvf_batch_wait(kvf_batch batch, int timeout_ms);
+
+/* Ends every task still in flight as CANCELED and returns once the engine no
+ * longer touches their memory (bounded by one socket write or copy chunk). */
+kvf_status kvf_batch_cancel(kvf_batch batch);
+
+/* Frees the batch; refused with KVF_ERR_BUSY while tasks are in flight (wait
+ * or cancel first). The handle is stale afterwards. */
+kvf_status kvf_batch_free(kvf_batch batch);
+
+/* Runs reqs[0..n) synchronously and returns when every request is final, or
+ * at the deadline timeout_ms (> 0, or KVF_TIMEOUT_DEFAULT): then the
+ * remaining tasks end TIMEOUT, and the call returns only after the engine stopped touching their memory (a bound
+ * of one syscall or one copy chunk past the deadline). Returns KVF_OK when
+ * every request completed, else the error of the first that did not. out
+ * (may be NULL) receives n task states, also on failure once the requests
+ * were started; a request rejected before start (KVF_ERR_INVALID, ...)
+ * leaves out untouched. */
+kvf_status kvf_transfer_sync(kvf_engine engine, const kvf_request *reqs, size_t n, int timeout_ms,
+                             kvf_task_status *out);
+
+/* ------------------------------------------------------------------------ */
+/* Safe abort, grants and events (the safe-abort issue)                      */
+/* ------------------------------------------------------------------------ */
+/* Declared now so that the ABI is fixed; in this version every one of these
+ * returns KVF_ERR_UNSUPPORTED without touching its outputs. */
+
+/* Outcome of kvf_abort. */
+typedef struct kvf_abort_result {
+    uint32_t struct_size;     /* in: sizeof(kvf_abort_result) */
+    uint32_t safe;            /* 1: no further byte of the request can touch our
+                                 memory; 0: not safe (reason in kvf_last_error) */
+    uint64_t generation;      /* the request id's generation after the abort */
+    uint64_t bytes_confirmed; /* lower bound of the bytes that landed */
+} kvf_abort_result;
+
+/* Owner side: aborts request_id for the n initiators named (segment names;
+ * n == 0: every initiator). Reports safe only when no further byte of the
+ * request can be written into or read from our memory, whatever the
+ * initiators do next; returns by timeout_ms. After a safe abort the memory
+ * may be reused at once. */
+kvf_status kvf_abort(kvf_engine engine, uint64_t request_id, const char *const *initiators, size_t n,
+                     int timeout_ms, kvf_abort_result *out);
+
+typedef struct kvf_grant_range {
+    uint64_t addr;
+    uint64_t len;
+} kvf_grant_range;
+
+/* Owner side: lets initiator access only ranges[0..n) for request_id (an
+ * access outside a grant is refused). *grant_id receives the grant's id. */
+kvf_status kvf_grant(kvf_engine engine, const char *initiator, uint64_t request_id,
+                     const kvf_grant_range *ranges, size_t n, uint64_t *grant_id);
+
+/* Owner side: withdraws a grant; returns like kvf_abort once no access under
+ * it is in progress. */
+kvf_status kvf_revoke(kvf_engine engine, uint64_t grant_id, int timeout_ms);
+
+/* Sends a small message (at most KVF_EVENT_DATA_MAX bytes) about request_id
+ * to the segment's engine, delivered as a KVF_EVENT_NOTIFY event. */
+kvf_status kvf_notify(kvf_segment segment, uint64_t request_id, const void *data, size_t len);
+
+#define KVF_EVENT_DATA_MAX 64
+#define KVF_EVENT_PEER_MAX 64
+
+typedef enum kvf_event_type {
+    KVF_EVENT_NONE = 0,
+    KVF_EVENT_ABORTED = 1, /* an owner aborted request_id: our transfers of it
+                              end ABORTED */
+    KVF_EVENT_NOTIFY = 2   /* a peer's kvf_notify */
+} kvf_event_type;
+
+typedef struct kvf_event {
+    uint32_t type;                    /* kvf_event_type */
+    uint32_t data_len;                /* bytes used in data */
+    uint64_t request_id;
+    uint64_t generation;
+    char peer[KVF_EVENT_PEER_MAX];    /* segment name of the peer, NUL-terminated */
+    uint8_t data[KVF_EVENT_DATA_MAX];
+} kvf_event;
+
+/* Takes up to cap pending events into out; *n_out receives how many. Waits
+ * up to timeout_ms for the first one (0: do not wait). */
+kvf_status kvf_poll_events(kvf_engine engine, kvf_event *out, size_t cap, size_t *n_out, int timeout_ms);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* KVFERRY_H */

@@ -1,0 +1,360 @@
+// kvferry.hpp - C++17 RAII wrapper of the kvferry C API (kvferry.h).
+//
+// Engine, Segment, Batch and Buffer own one C handle or buffer each and
+// release it in their destructor; they are movable, not copyable. Every
+// failure throws kvferry::Error, which carries the kvf_status code and the
+// library's detailed message. Destructors never throw: a Segment, Batch or
+// Buffer that outlives its Engine finds its handle stale and does nothing
+// (kvf_engine_destroy already released it).
+//
+// Thread-safety is the C API's: every object may be used from any thread.
+#ifndef KVFERRY_HPP
+#define KVFERRY_HPP
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvferry.h"
+
+namespace kvferry {
+
+// Error is what every failing call throws.
+class Error : public std::runtime_error {
+public:
+    Error(kvf_status code, const std::string &message) : std::runtime_error(message), code_(code) {}
+    // The status code (KVF_ERR_*).
+    kvf_status code() const noexcept { return code_; }
+    // The code's static name, e.g. "invalid argument".
+    const char *code_str() const noexcept { return kvf_status_str(code_); }
+
+private:
+    kvf_status code_;
+};
+
+namespace detail {
+// Throws the calling thread's last error when st is not KVF_OK.
+inline void check(kvf_status st) {
+    if (st != KVF_OK) throw Error(st, kvf_last_error());
+}
+
+template <typename H, typename F>
+std::string name_of(H h, F f) {
+    size_t n = 0;
+    check(f(h, nullptr, 0, &n));
+    std::string s(n + 1, '\0');
+    check(f(h, &s[0], s.size(), &n));
+    s.resize(n);
+    return s;
+}
+} // namespace detail
+
+// Options of an engine; zero and empty values take the defaults (see
+// kvf_engine_options).
+struct Options {
+    std::string host;     // "" : 127.0.0.1
+    std::string protocol; // "" : tcp
+    int port = 0;
+    int paths_per_peer = 0;
+    uint64_t slice_size = 0;
+    int max_retries = 0;
+    int default_timeout_ms = 0;
+    int io_timeout_ms = 0;
+    int heartbeat_ms = 0;
+    int heartbeat_misses = 0;
+    int log_level = KVF_LOG_DEFAULT;
+    int go_max_procs = 0;
+    bool ignore_env = false;
+
+    // The C struct; its strings point into this object.
+    kvf_engine_options c() const {
+        kvf_engine_options o;
+        kvf_engine_options_init(&o);
+        o.flags = ignore_env ? KVF_ENGINE_IGNORE_ENV : 0u;
+        o.host = host.empty() ? nullptr : host.c_str();
+        o.protocol = protocol.empty() ? nullptr : protocol.c_str();
+        o.port = port;
+        o.paths_per_peer = paths_per_peer;
+        o.slice_size = slice_size;
+        o.max_retries = max_retries;
+        o.default_timeout_ms = default_timeout_ms;
+        o.io_timeout_ms = io_timeout_ms;
+        o.heartbeat_ms = heartbeat_ms;
+        o.heartbeat_misses = heartbeat_misses;
+        o.log_level = log_level;
+        o.go_max_procs = go_max_procs;
+        return o;
+    }
+};
+
+// Segment is an open peer (or the engine's own segment).
+class Segment {
+public:
+    Segment() noexcept = default;
+    explicit Segment(kvf_segment h) noexcept : h_(h) {}
+    ~Segment() { reset(); }
+    Segment(Segment &&o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
+    Segment &operator=(Segment &&o) noexcept {
+        if (this != &o) {
+            reset();
+            h_ = std::exchange(o.h_, nullptr);
+        }
+        return *this;
+    }
+    Segment(const Segment &) = delete;
+    Segment &operator=(const Segment &) = delete;
+
+    kvf_segment handle() const noexcept { return h_; }
+    explicit operator bool() const noexcept { return h_ != nullptr; }
+    std::string name() const { return detail::name_of(h_, kvf_segment_name); }
+
+    // Registered buffers of the peer, from its cached descriptor.
+    size_t buffer_count() const {
+        size_t n = 0;
+        detail::check(kvf_segment_buffer_count(h_, &n));
+        return n;
+    }
+    // Address and length of buffer i.
+    std::pair<uint64_t, uint64_t> buffer(size_t i) const {
+        uint64_t a = 0, n = 0;
+        detail::check(kvf_segment_buffer(h_, i, &a, &n));
+        return {a, n};
+    }
+
+    // Requests to this segment.
+    kvf_request write(const void *local, uint64_t remote, uint64_t length, uint64_t request_id = 0) const {
+        return make(KVF_OP_WRITE, const_cast<void *>(local), remote, length, request_id);
+    }
+    kvf_request read(void *local, uint64_t remote, uint64_t length, uint64_t request_id = 0) const {
+        return make(KVF_OP_READ, local, remote, length, request_id);
+    }
+
+    // Closes the handle now, reporting failure.
+    void close() {
+        if (h_ != nullptr) detail::check(kvf_close_segment(std::exchange(h_, nullptr)));
+    }
+
+private:
+    kvf_request make(uint32_t op, void *local, uint64_t remote, uint64_t length, uint64_t id) const {
+        kvf_request r{};
+        r.op = op;
+        r.local = local;
+        r.segment = h_;
+        r.remote = remote;
+        r.length = length;
+        r.request_id = id;
+        return r;
+    }
+    void reset() noexcept {
+        if (h_ != nullptr) (void)kvf_close_segment(std::exchange(h_, nullptr));
+    }
+    kvf_segment h_ = nullptr;
+};
+
+// Batch is a set of requests submitted and waited on together. Its
+// destructor cancels tasks still in flight, then frees it.
+class Batch {
+public:
+    Batch() noexcept = default;
+    explicit Batch(kvf_batch h) noexcept : h_(h) {}
+    ~Batch() { reset(); }
+    Batch(Batch &&o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
+    Batch &operator=(Batch &&o) noexcept {
+        if (this != &o) {
+            reset();
+            h_ = std::exchange(o.h_, nullptr);
+        }
+        return *this;
+    }
+    Batch(const Batch &) = delete;
+    Batch &operator=(const Batch &) = delete;
+
+    kvf_batch handle() const noexcept { return h_; }
+
+    void submit(const kvf_request *reqs, size_t n) { detail::check(kvf_batch_submit(h_, reqs, n)); }
+    void submit(const std::vector<kvf_request> &reqs) { submit(reqs.data(), reqs.size()); }
+
+    // Waits until every task is final: true when all completed; false when
+    // tasks are still in flight after timeout_ms. Throws the first failed
+    // task's error.
+    bool wait(int timeout_ms = KVF_TIMEOUT_DEFAULT) {
+        kvf_status st = kvf_batch_wait(h_, timeout_ms);
+        if (st == KVF_ERR_TIMEOUT) {
+            std::string msg = kvf_last_error();
+            for (const kvf_task_status &t : statuses())
+                if (t.state == KVF_TASK_WAITING || t.state == KVF_TASK_PENDING) return false;
+            throw Error(st, msg);
+        }
+        detail::check(st);
+        return true;
+    }
+
+    kvf_task_status status(size_t i) const {
+        kvf_task_status s{};
+        detail::check(kvf_batch_status(h_, i, &s));
+        return s;
+    }
+    std::vector<kvf_task_status> statuses() const {
+        size_t n = 0;
+        detail::check(kvf_batch_status_all(h_, nullptr, 0, &n));
+        std::vector<kvf_task_status> v(n);
+        detail::check(kvf_batch_status_all(h_, v.data(), v.size(), &n));
+        v.resize(n < v.size() ? n : v.size());
+        return v;
+    }
+    // The message of task i's error ("" when it completed or is in flight).
+    std::string task_error(size_t i) const {
+        size_t n = 0;
+        detail::check(kvf_batch_task_error(h_, i, nullptr, 0, &n));
+        std::string s(n + 1, '\0');
+        detail::check(kvf_batch_task_error(h_, i, &s[0], s.size(), &n));
+        s.resize(n);
+        return s;
+    }
+
+    void cancel() { detail::check(kvf_batch_cancel(h_)); }
+    // Frees the batch now; throws KVF_ERR_BUSY while tasks are in flight.
+    void free() {
+        if (h_ != nullptr) {
+            detail::check(kvf_batch_free(h_));
+            h_ = nullptr;
+        }
+    }
+
+private:
+    void reset() noexcept {
+        if (h_ == nullptr) return;
+        if (kvf_batch_free(h_) == KVF_ERR_BUSY) {
+            (void)kvf_batch_cancel(h_);
+            (void)kvf_batch_free(h_);
+        }
+        h_ = nullptr;
+    }
+    kvf_batch h_ = nullptr;
+};
+
+// Buffer is registered memory from the engine's allocator.
+class Buffer {
+public:
+    Buffer() noexcept = default;
+    Buffer(kvf_engine e, void *p, size_t n) noexcept : e_(e), p_(p), n_(n) {}
+    ~Buffer() { reset(); }
+    Buffer(Buffer &&o) noexcept
+        : e_(std::exchange(o.e_, nullptr)), p_(std::exchange(o.p_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+    Buffer &operator=(Buffer &&o) noexcept {
+        if (this != &o) {
+            reset();
+            e_ = std::exchange(o.e_, nullptr);
+            p_ = std::exchange(o.p_, nullptr);
+            n_ = std::exchange(o.n_, 0);
+        }
+        return *this;
+    }
+    Buffer(const Buffer &) = delete;
+    Buffer &operator=(const Buffer &) = delete;
+
+    void *data() const noexcept { return p_; }
+    uint8_t *bytes() const noexcept { return static_cast<uint8_t *>(p_); }
+    size_t size() const noexcept { return n_; }
+    // The address as requests name remote memory.
+    uint64_t addr() const noexcept { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p_)); }
+
+    void free() {
+        if (p_ != nullptr) {
+            detail::check(kvf_free_buffer(e_, p_));
+            p_ = nullptr;
+        }
+    }
+
+private:
+    void reset() noexcept {
+        if (p_ != nullptr) (void)kvf_free_buffer(e_, std::exchange(p_, nullptr));
+    }
+    kvf_engine e_ = nullptr;
+    void *p_ = nullptr;
+    size_t n_ = 0;
+};
+
+// Engine is one transfer engine.
+class Engine {
+public:
+    Engine() : Engine(Options{}) {}
+    explicit Engine(const Options &opts) {
+        kvf_engine_options o = opts.c();
+        detail::check(kvf_engine_create(&o, &h_));
+    }
+    explicit Engine(const kvf_engine_options *opts) { detail::check(kvf_engine_create(opts, &h_)); }
+    ~Engine() {
+        if (h_ != nullptr) (void)kvf_engine_destroy(h_);
+    }
+    Engine(Engine &&o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
+    Engine &operator=(Engine &&o) noexcept {
+        if (this != &o) {
+            if (h_ != nullptr) (void)kvf_engine_destroy(h_);
+            h_ = std::exchange(o.h_, nullptr);
+        }
+        return *this;
+    }
+    Engine(const Engine &) = delete;
+    Engine &operator=(const Engine &) = delete;
+
+    kvf_engine handle() const noexcept { return h_; }
+    // The segment name peers open, "host:port".
+    std::string name() const { return detail::name_of(h_, kvf_engine_name); }
+
+    void register_memory(void *addr, size_t len, const char *location = nullptr) {
+        detail::check(kvf_register_memory(h_, addr, len, location));
+    }
+    void unregister_memory(void *addr) { detail::check(kvf_unregister_memory(h_, addr)); }
+    Buffer alloc_buffer(size_t len, const char *location = nullptr) {
+        void *p = nullptr;
+        detail::check(kvf_alloc_buffer(h_, len, location, &p));
+        return Buffer(h_, p, len);
+    }
+
+    Segment open_segment(const std::string &name, int timeout_ms = KVF_TIMEOUT_DEFAULT) {
+        kvf_segment s = nullptr;
+        detail::check(kvf_open_segment(h_, name.c_str(), timeout_ms, &s));
+        return Segment(s);
+    }
+    Batch batch(size_t capacity) {
+        kvf_batch b = nullptr;
+        detail::check(kvf_batch_alloc(h_, capacity, &b));
+        return Batch(b);
+    }
+
+    // Runs the requests synchronously; throws the first failure. out, when
+    // given, receives one state per request, also when it throws.
+    void transfer(const kvf_request *reqs, size_t n, int timeout_ms = KVF_TIMEOUT_DEFAULT,
+                  kvf_task_status *out = nullptr) {
+        detail::check(kvf_transfer_sync(h_, reqs, n, timeout_ms, out));
+    }
+    void transfer(const std::vector<kvf_request> &reqs, int timeout_ms = KVF_TIMEOUT_DEFAULT) {
+        transfer(reqs.data(), reqs.size(), timeout_ms);
+    }
+
+    kvf_stats stats() const {
+        kvf_stats s{};
+        s.struct_size = sizeof s;
+        detail::check(kvf_engine_stats(h_, &s));
+        return s;
+    }
+
+    // Destroys the engine now, reporting failure.
+    void destroy() {
+        if (h_ != nullptr) detail::check(kvf_engine_destroy(std::exchange(h_, nullptr)));
+    }
+
+private:
+    kvf_engine h_ = nullptr;
+};
+
+// The library's version, e.g. "0.1.0".
+inline std::string version() { return kvf_version_string(); }
+
+} // namespace kvferry
+
+#endif // KVFERRY_HPP

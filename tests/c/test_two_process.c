@@ -1,0 +1,209 @@
+/* Transfers between two processes, with the data checked on both sides,
+ * and what happens when the peer stops answering (SIGSTOP): a batch stays in
+ * flight (kvf_batch_free is refused, kvf_batch_wait times out), cancel
+ * returns promptly, a synchronous transfer returns by its deadline, and once
+ * the peer runs again transfers work again.
+ *
+ * The same executable is the target: the initiator starts it with
+ * posix_spawn (fork+exec in one step, safe in a process that already runs
+ * the Go runtime) and talks to it over its stdin and stdout. */
+#include <errno.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvf_test.h"
+
+#define MiB (1024u * 1024u)
+#define SIZE (8 * MiB)
+
+extern char **environ;
+
+/* ---- target ------------------------------------------------------------- */
+
+static int target(void) {
+    kvf_engine e = kvft_engine();
+    void *buf = NULL;
+    CHECK_OK(kvf_alloc_buffer(e, SIZE, NULL, &buf));
+    kvft_fill(buf, 4 * MiB, 1);
+    char name[128];
+    kvft_name(e, name, sizeof name);
+    printf("READY %s %llu\n", name, (unsigned long long)(uintptr_t)buf);
+    fflush(stdout);
+    char line[256];
+    while (fgets(line, sizeof line, stdin) != NULL) {
+        unsigned long long off, len;
+        unsigned seed;
+        if (sscanf(line, "CHECK %llu %llu %u", &off, &len, &seed) == 3) {
+            long bad = kvft_verify((uint8_t *)buf + off, len, seed);
+            if (bad < 0)
+                printf("OK\n");
+            else
+                printf("BAD %ld\n", bad);
+            fflush(stdout);
+        } else if (strncmp(line, "QUIT", 4) == 0) {
+            CHECK_OK(kvf_free_buffer(e, buf));
+            CHECK_OK(kvf_engine_destroy(e));
+            return 0;
+        }
+    }
+    fprintf(stderr, "target: initiator went away\n");
+    kvf_engine_destroy(e);
+    return 2;
+}
+
+/* ---- initiator ---------------------------------------------------------- */
+
+static FILE *to_target, *from_target;
+static pid_t target_pid;
+
+/* A failing check exits: the target must not outlive us (stopped, it would
+ * hold ctest's output pipe open until the test times out). */
+static void kill_target(void) {
+    if (target_pid > 0) kill(target_pid, SIGKILL);
+}
+
+/* Sends sig and waits until the kernel reports the target stopped or
+ * continued: kill() returns before the target's threads have stopped. */
+static void signal_target(int sig) {
+    CHECK(kill(target_pid, sig) == 0, "kill: %s", strerror(errno));
+    int status = 0;
+    pid_t got = waitpid(target_pid, &status, sig == SIGSTOP ? WUNTRACED : WCONTINUED);
+    CHECK(got == target_pid, "waitpid: %s", strerror(errno));
+    CHECK(sig == SIGSTOP ? WIFSTOPPED(status) : WIFCONTINUED(status), "target status %#x after signal %d", status,
+          sig);
+}
+
+static void ask_check(uint64_t off, uint64_t len, unsigned seed) {
+    fprintf(to_target, "CHECK %llu %llu %u\n", (unsigned long long)off, (unsigned long long)len, seed);
+    fflush(to_target);
+    char line[128];
+    CHECK(fgets(line, sizeof line, from_target) != NULL, "target went away");
+    CHECK(strncmp(line, "OK", 2) == 0, "target memory [%llu, +%llu) seed %u: %s",
+          (unsigned long long)off, (unsigned long long)len, seed, line);
+}
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "--target") == 0) return target();
+
+    int in[2], out[2];
+    CHECK(pipe(in) == 0 && pipe(out) == 0, "pipe: %s", strerror(errno));
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+    posix_spawn_file_actions_addclose(&fa, in[1]);
+    posix_spawn_file_actions_addclose(&fa, out[0]);
+    char *args[] = {argv[0], (char *)"--target", NULL};
+    pid_t pid;
+    int rc = posix_spawn(&pid, "/proc/self/exe", &fa, NULL, args, environ);
+    CHECK(rc == 0, "posix_spawn: %s", strerror(rc));
+    target_pid = pid;
+    atexit(kill_target);
+    posix_spawn_file_actions_destroy(&fa);
+    close(in[0]);
+    close(out[1]);
+    to_target = fdopen(in[1], "w");
+    from_target = fdopen(out[0], "r");
+
+    char line[256], tname[128];
+    unsigned long long taddr;
+    CHECK(fgets(line, sizeof line, from_target) != NULL, "target did not start");
+    CHECK(sscanf(line, "READY %127s %llu", tname, &taddr) == 2, "target said %s", line);
+
+    kvf_engine e = kvft_engine();
+    void *buf = NULL;
+    CHECK_OK(kvf_alloc_buffer(e, SIZE, NULL, &buf));
+    uint8_t *mem = (uint8_t *)buf;
+    kvf_segment seg = NULL;
+    CHECK_OK(kvf_open_segment(e, tname, 5000, &seg));
+
+    /* READ what the target wrote. */
+    kvf_request r = kvft_req(KVF_OP_READ, mem, seg, taddr, 4 * MiB, 1);
+    CHECK_OK(kvf_transfer_sync(e, &r, 1, 10000, NULL));
+    long bad = kvft_verify(mem, 4 * MiB, 1);
+    CHECK(bad < 0, "READ from the target differs at %ld", bad);
+
+    /* WRITE through a batch of 16 requests; the target checks. */
+    kvft_fill(mem + 4 * MiB, 4 * MiB, 2);
+    kvf_batch b = NULL;
+    CHECK_OK(kvf_batch_alloc(e, 16, &b));
+    kvf_request reqs[16];
+    for (int i = 0; i < 16; i++)
+        reqs[i] = kvft_req(KVF_OP_WRITE, mem + 4 * MiB + (size_t)i * 256 * 1024, seg,
+                           taddr + 4 * MiB + (uint64_t)i * 256 * 1024, 256 * 1024, 2);
+    CHECK_OK(kvf_batch_submit(b, reqs, 16));
+    CHECK_OK(kvf_batch_wait(b, 10000));
+    CHECK_OK(kvf_batch_free(b));
+    ask_check(4 * MiB, 4 * MiB, 2);
+
+    /* The target stops: a WRITE cannot complete (the owner must answer). */
+    signal_target(SIGSTOP);
+    CHECK_OK(kvf_batch_alloc(e, 1, &b));
+    kvf_request big = kvft_req(KVF_OP_WRITE, mem, seg, taddr, 4 * MiB, 3);
+    CHECK_OK(kvf_batch_submit(b, &big, 1));
+    EXPECT_ERR(kvf_batch_free(b), KVF_ERR_BUSY, "in flight");
+    double t0 = now_ms();
+    EXPECT_ERR(kvf_batch_wait(b, 200), KVF_ERR_TIMEOUT, "still in flight");
+    double waited = now_ms() - t0;
+    CHECK(waited >= 190 && waited < 2000, "kvf_batch_wait(200 ms) took %.0f ms", waited);
+    kvf_task_status ts;
+    CHECK_OK(kvf_batch_status(b, 0, &ts));
+    CHECK(ts.state == KVF_TASK_PENDING || ts.state == KVF_TASK_WAITING, "state %s",
+          kvf_task_state_str(ts.state));
+    t0 = now_ms();
+    CHECK_OK(kvf_batch_cancel(b));
+    double canceled = now_ms() - t0;
+    CHECK(canceled < 2000, "kvf_batch_cancel took %.0f ms", canceled);
+    CHECK_OK(kvf_batch_status(b, 0, &ts));
+    CHECK(ts.state == KVF_TASK_CANCELED && ts.error == KVF_ERR_CANCELED, "after cancel: %s, %s",
+          kvf_task_state_str(ts.state), kvf_status_str(ts.error));
+    EXPECT_ERR(kvf_batch_wait(b, 0), KVF_ERR_CANCELED, "task 0");
+    CHECK_OK(kvf_batch_free(b));
+
+    /* A synchronous transfer returns by its deadline. */
+    t0 = now_ms();
+    kvf_task_status sts;
+    EXPECT_ERR(kvf_transfer_sync(e, &big, 1, 300, &sts), KVF_ERR_TIMEOUT, "task 0");
+    double took = now_ms() - t0;
+    CHECK(took >= 290 && took < 1500, "kvf_transfer_sync(300 ms) took %.0f ms", took);
+    CHECK(sts.state == KVF_TASK_TIMEOUT, "state %s", kvf_task_state_str(sts.state));
+
+    /* The target runs again; transfers work again. */
+    signal_target(SIGCONT);
+    kvft_fill(mem, MiB, 5);
+    kvf_request again = kvft_req(KVF_OP_WRITE, mem, seg, taddr, MiB, 5);
+    CHECK_OK(kvf_transfer_sync(e, &again, 1, 10000, NULL));
+    ask_check(0, MiB, 5);
+
+    kvf_stats st;
+    memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    CHECK_OK(kvf_engine_stats(e, &st));
+    CHECK(st.tasks_canceled >= 1 && st.tasks_failed >= 1, "canceled %llu failed %llu",
+          (unsigned long long)st.tasks_canceled, (unsigned long long)st.tasks_failed);
+
+    CHECK_OK(kvf_close_segment(seg));
+    CHECK_OK(kvf_engine_destroy(e));
+    fprintf(to_target, "QUIT\n");
+    fflush(to_target);
+    int status = 0;
+    CHECK(waitpid(pid, &status, 0) == pid, "waitpid: %s", strerror(errno));
+    target_pid = 0;
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "target ended with status %#x", status);
+    fclose(to_target);
+    fclose(from_target);
+    return kvft_done("test_two_process");
+}
