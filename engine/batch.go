@@ -78,6 +78,41 @@ type Batch struct {
 	running    atomic.Int64  // tasks not final
 	idle       chan struct{} // closed once running reaches 0
 	idleClosed bool
+	slabs      []*slab     // task and slice records, reused after Free when safe
+	tainted    atomic.Bool // a cancel or retry happened: a path may still hold a slice
+}
+
+// slab holds the task and slice records of one Submit. Records are reused
+// (sparing the allocator and the GC on the per-request path) only when no
+// transport can still hold a pointer into them: every slice went through the
+// local transport, which drops a slice when it ends it, and none was
+// canceled or retried.
+type slab struct {
+	tasks  []task
+	slices []sliceT
+	ptrs   []*task
+	sptrs  []*transport.Slice
+	local  bool
+}
+
+// getSlab returns records for n tasks of m slices, zeroed.
+func (e *Engine) getSlab(n, m int) *slab {
+	if v, _ := e.slabs.Get().(*slab); v != nil && cap(v.tasks) >= n && cap(v.slices) >= m {
+		v.tasks, v.slices, v.ptrs, v.sptrs = v.tasks[:n], v.slices[:m], v.ptrs[:n], v.sptrs[:m]
+		clear(v.tasks)
+		clear(v.slices)
+		v.local = false
+		return v
+	}
+	return &slab{tasks: make([]task, n), slices: make([]sliceT, m), ptrs: make([]*task, n), sptrs: make([]*transport.Slice, m)}
+}
+
+func (e *Engine) putSlab(sl *slab) {
+	if sl.local {
+		clear(sl.ptrs)
+		clear(sl.sptrs)
+		e.slabs.Put(sl)
+	}
 }
 
 type task struct {
@@ -148,48 +183,53 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	}
 	b.mu.Unlock()
 
-	tasks, err := b.plan(ctx, reqs)
+	tasks, sl, err := b.plan(ctx, reqs)
 	if err != nil {
-		return err
+		return err // the slab is left to the GC: plan may have failed mid-way
 	}
 	b.mu.Lock()
 	if b.freed || len(b.tasks)+len(tasks) > b.capacity {
 		b.mu.Unlock()
 		return fmt.Errorf("submit: %w", ErrBatchFull) // a concurrent submit filled it
 	}
+	b.slabs = append(b.slabs, sl)
 	if b.idleClosed {
 		b.idle, b.idleClosed = make(chan struct{}), false
 	}
 	b.running.Add(int64(len(tasks)))
-	b.tasks = append(b.tasks, tasks...)
+	if len(b.tasks) == 0 {
+		b.tasks = tasks[:len(tasks):len(tasks)] // a later append copies
+	} else {
+		b.tasks = append(b.tasks, tasks...)
+	}
 	b.mu.Unlock()
 	e.stats.tasksInFlight.Add(int64(len(tasks)))
-	b.post(ctx, tasks)
+	b.post(ctx, tasks, sl)
 	return nil
 }
 
 // plan validates the requests and cuts them into slices.
-func (b *Batch) plan(ctx context.Context, reqs []Request) ([]*task, error) {
+func (b *Batch) plan(ctx context.Context, reqs []Request) ([]*task, *slab, error) {
 	e := b.e
 	slice := uint64(e.opts.SliceSize)
 	nslices := 0
 	for i := range reqs {
 		r := &reqs[i]
 		if r.Op != Read && r.Op != Write {
-			return nil, fmt.Errorf("request %d: %w: op %d", i, ErrInvalidArg, r.Op)
+			return nil, nil, fmt.Errorf("request %d: %w: op %d", i, ErrInvalidArg, r.Op)
 		}
 		if r.Length == 0 || r.Local+r.Length < r.Local || r.Remote+r.Length < r.Remote {
-			return nil, fmt.Errorf("request %d: %w: length %d at local %#x, remote %#x", i, ErrInvalidArg, r.Length, r.Local, r.Remote)
+			return nil, nil, fmt.Errorf("request %d: %w: length %d at local %#x, remote %#x", i, ErrInvalidArg, r.Length, r.Local, r.Remote)
 		}
 		if r.Segment == nil || r.Segment.e != e {
-			return nil, fmt.Errorf("request %d: %w: segment is not open on this engine", i, ErrInvalidArg)
+			return nil, nil, fmt.Errorf("request %d: %w: segment is not open on this engine", i, ErrInvalidArg)
 		}
 		nslices += int((r.Length + slice - 1) / slice)
 	}
-	tasks := make([]task, len(reqs))
-	slab := make([]sliceT, nslices)
-	out := make([]*task, len(reqs))
-	refreshed := map[*Segment]bool{}
+	sl := e.getSlab(len(reqs), nslices)
+	tasks, slab, out := sl.tasks, sl.slices, sl.ptrs
+	var refreshed map[*Segment]bool
+	local := true
 	for i := range reqs {
 		r := reqs[i]
 		t := &tasks[i]
@@ -197,21 +237,25 @@ func (b *Batch) plan(ctx context.Context, reqs []Request) ([]*task, error) {
 		out[i] = t
 		lreg, err := e.reg.Find(r.Local, r.Length)
 		if err != nil {
-			return nil, fmt.Errorf("request %d: local memory: %w", i, err)
+			return nil, nil, fmt.Errorf("request %d: local memory: %w", i, err)
 		}
 		var key BufferKey
 		if r.Segment.self {
 			reg, err := e.reg.Find(r.Remote, r.Length)
 			if err != nil {
-				return nil, fmt.Errorf("request %d: remote memory at %s: %w", i, r.Segment.name, err)
+				return nil, nil, fmt.Errorf("request %d: remote memory at %s: %w", i, r.Segment.name, err)
 			}
 			key = reg.Key
 		} else {
+			local = false
+			if refreshed == nil {
+				refreshed = map[*Segment]bool{}
+			}
 			done := refreshed[r.Segment]
 			key, err = r.Segment.resolve(ctx, r.Remote, r.Length, &done)
 			refreshed[r.Segment] = done
 			if err != nil {
-				return nil, fmt.Errorf("request %d: %w", i, err)
+				return nil, nil, fmt.Errorf("request %d: %w", i, err)
 			}
 		}
 		n := int((r.Length + slice - 1) / slice)
@@ -227,50 +271,73 @@ func (b *Batch) plan(ctx context.Context, reqs []Request) ([]*task, error) {
 			s.Done, s.Tag = sliceDone, s
 		}
 	}
-	return out, nil
+	sl.local = local
+	return out, sl, nil
 }
 
 // post spreads the slices over each segment's paths, one Post per path.
-func (b *Batch) post(ctx context.Context, tasks []*task) {
+// The pointer arrays handed to the paths are cut from the slab.
+func (b *Batch) post(ctx context.Context, tasks []*task, sl *slab) {
 	type group struct {
-		ref    *pathRef
-		err    error
-		slices []*transport.Slice
+		seg      *Segment
+		k        uint32
+		n, start int
 	}
-	groups := map[*Segment][]group{}
+	var groups []group // few: (segment, path slot) pairs of this submit
+	find := func(seg *Segment, k uint32, last int) int {
+		if last < len(groups) && groups[last].seg == seg && groups[last].k == k {
+			return last
+		}
+		for i := range groups {
+			if groups[i].seg == seg && groups[i].k == k {
+				return i
+			}
+		}
+		groups = append(groups, group{seg: seg, k: k})
+		return len(groups) - 1
+	}
+	gi := 0
 	for _, t := range tasks {
 		// A cancel may have ended the task already (Close, Batch.Cancel
 		// racing this Submit): never overwrite a final state.
 		t.status.CompareAndSwap(int32(Waiting), int32(Pending))
 		seg := t.req.Segment
-		g := groups[seg]
-		if g == nil {
-			g = make([]group, len(seg.paths))
-			groups[seg] = g
-		}
 		for j := range t.slices {
 			s := &t.slices[j]
 			s.hint = seg.next.Add(1)
-			k := int(s.hint % uint32(len(g)))
-			g[k].slices = append(g[k].slices, &s.Slice)
+			gi = find(seg, s.hint%uint32(len(seg.paths)), gi)
+			groups[gi].n++
 		}
 	}
-	for seg, g := range groups {
-		for k := range g {
-			if len(g[k].slices) == 0 {
-				continue
+	off := 0
+	for i := range groups {
+		groups[i].start = off
+		off += groups[i].n
+		groups[i].n = 0
+	}
+	ptrs := sl.sptrs[:off]
+	for _, t := range tasks {
+		seg := t.req.Segment
+		for j := range t.slices {
+			s := &t.slices[j]
+			gi = find(seg, s.hint%uint32(len(seg.paths)), gi)
+			g := &groups[gi]
+			ptrs[g.start+g.n] = &s.Slice
+			g.n++
+		}
+	}
+	for _, g := range groups {
+		slices := ptrs[g.start : g.start+g.n : g.start+g.n]
+		ref, err := g.seg.path(ctx, g.k)
+		for _, s := range slices {
+			if err != nil {
+				s.Finish(err)
+			} else {
+				s.Tag.(*sliceT).path.Store(ref)
 			}
-			ref, err := seg.path(ctx, uint32(k))
-			for _, s := range g[k].slices {
-				if err != nil {
-					s.Finish(err)
-				} else {
-					s.Tag.(*sliceT).path.Store(ref)
-				}
-			}
-			if err == nil {
-				ref.ep.Post(g[k].slices)
-			}
+		}
+		if err == nil {
+			ref.ep.Post(slices)
 		}
 	}
 }
@@ -285,6 +352,7 @@ func sliceDone(ts *transport.Slice, err error) {
 	if err != nil && transport.Retryable(err) && t.final.Load() == 0 && s.attempts < e.opts.MaxRetries && e.startRetry() {
 		s.attempts++
 		e.stats.retries.Add(1)
+		t.b.tainted.Store(true)
 		ts.Reset() // Queued again: a cancel from here on takes it
 		go s.retry()
 		return
@@ -400,6 +468,7 @@ func (t *task) cancel(st TaskStatus, cut map[*pathRef]struct{}) {
 	if TaskStatus(t.status.Load()).Final() || !t.final.CompareAndSwap(0, int32(st)) {
 		return
 	}
+	t.b.tainted.Store(true)
 	for i := range t.slices {
 		s := &t.slices[i]
 		for {
@@ -508,7 +577,14 @@ func (b *Batch) Free() error {
 	}
 	b.freed = true
 	b.tasks = nil
+	slabs := b.slabs
+	b.slabs = nil
 	b.mu.Unlock()
+	if !b.tainted.Load() {
+		for _, sl := range slabs {
+			b.e.putSlab(sl)
+		}
+	}
 	b.e.liveMu.Lock()
 	delete(b.e.live, b)
 	b.e.liveMu.Unlock()

@@ -73,6 +73,8 @@ type Engine struct {
 	allocMu sync.Mutex
 	allocs  map[uint64][]byte
 
+	slabs sync.Pool // *slab, see batch.go
+
 	stats engineCounters
 }
 

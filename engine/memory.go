@@ -146,7 +146,7 @@ func (e *Engine) FreeBuffer(addr uint64) error {
 // Admit checks a peer's (or our own local transport's) access against the
 // registry: the key must be current and the range inside it. It implements
 // transport.Owner.
-func (e *Engine) Admit(a *transport.Access) (transport.Target, error) {
+func (e *Engine) Admit(a transport.Access) (transport.Target, error) {
 	if a.Op != transport.Read && a.Op != transport.Write {
 		return transport.Target{}, fmt.Errorf("%w: op %d", ErrInvalidArg, a.Op)
 	}

@@ -73,7 +73,7 @@ type Owner interface {
 	// Admit checks an access before any byte moves. On success the
 	// transport copies into or out of Target.Mem, entering Target.Guard
 	// around each chunk.
-	Admit(a *Access) (Target, error)
+	Admit(a Access) (Target, error)
 }
 
 // Guard is held around each chunk a transport copies into or out of

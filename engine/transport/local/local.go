@@ -114,7 +114,7 @@ func (ep *endpoint) copy(s *transport.Slice) error {
 		Op: s.Op, Initiator: ep.t.self, RequestID: s.RequestID, Generation: s.Generation,
 		GrantID: s.GrantID, Key: s.Key, Addr: s.Remote, Length: uint64(len(s.Local)),
 	}
-	tgt, err := ep.t.owner.Admit(&a)
+	tgt, err := ep.t.owner.Admit(a)
 	if err != nil {
 		return fmt.Errorf("%w: %w", transport.ErrRefused, err)
 	}

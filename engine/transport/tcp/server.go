@@ -172,7 +172,7 @@ func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 	t := c.t
 	ack := header{typ: frameWriteAck, seq: h.seq, requestID: h.requestID, generation: h.generation}
 	c.lastWrite = true
-	tgt, err := t.owner.Admit(a)
+	tgt, err := t.owner.Admit(*a)
 	if err != nil {
 		ack.status = statusOf(err)
 		t.stats.refused.Add(1)
@@ -222,7 +222,7 @@ func (c *ownerConn) serveRead(h *header, a *transport.Access) error {
 	t := c.t
 	c.lastWrite = false
 	done := header{typ: frameReadDone, seq: h.seq, requestID: h.requestID, generation: h.generation}
-	tgt, err := t.owner.Admit(a)
+	tgt, err := t.owner.Admit(*a)
 	if err != nil {
 		done.status = statusOf(err)
 		t.stats.refused.Add(1)

@@ -35,7 +35,7 @@ func NewOwner(reg *memory.Registry) *Owner { return &Owner{Registry: reg} }
 var errBadOp = errors.New("transporttest: access is neither READ nor WRITE")
 
 // Admit implements transport.Owner.
-func (o *Owner) Admit(a *transport.Access) (transport.Target, error) {
+func (o *Owner) Admit(a transport.Access) (transport.Target, error) {
 	o.Admits.Add(1)
 	o.mu.Lock()
 	g := o.gate
