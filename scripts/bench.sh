@@ -37,7 +37,9 @@ iperf_gbps() { # one iperf3 run, $1 = block size; prints GB/s (1e9 bytes)
   iperf3 -s -1 -p "$port" >/dev/null 2>&1 &
   local srv=$!
   sleep 0.5
-  json=$(timeout $((DURATION + 10)) iperf3 -c 127.0.0.1 -p "$port" -l "$1" -P "$THREADS" -t "$DURATION" -J 2>/dev/null || true)
+  # iperf3 refuses blocks above 1 MiB: larger rows run it with -l 1M.
+  local bl=$(( $1 > 1048576 ? 1048576 : $1 ))
+  json=$(timeout $((DURATION + 10)) iperf3 -c 127.0.0.1 -p "$port" -l "$bl" -P "$THREADS" -t "$DURATION" -J 2>/dev/null || true)
   kill "$srv" 2>/dev/null || true
   wait "$srv" 2>/dev/null || true
   python3 -c 'import json,sys

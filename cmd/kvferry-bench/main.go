@@ -214,16 +214,22 @@ func runInitiator(c config, targetBuf []byte) error {
 	}
 	remote := bufs[0]
 	size := min(uint64(c.bufferSize), remote.Len)
-	op := engine.Write
-	if c.op == "read" {
-		op = engine.Read
-		clear(local)
-	} else {
-		fill(local, 0, c.seed^0x5a5a)
-	}
 	per := size / uint64(c.threads) / uint64(c.blockSize) * uint64(c.blockSize)
 	if per == 0 {
 		return fmt.Errorf("buffer of %d bytes holds no block per thread", size)
+	}
+	op := engine.Write
+	if c.op == "read" {
+		// Put the pattern the reads will be checked against into the
+		// target first (untimed): earlier runs may have written over it.
+		op = engine.Read
+		fill(local, 0, c.seed)
+		if err := moveAll(ctx, e, seg, engine.Write, engine.AddrOf(local), remote.Addr, per*uint64(c.threads)); err != nil {
+			return fmt.Errorf("prepare the target for reads: %w", err)
+		}
+		clear(local)
+	} else {
+		fill(local, 0, c.seed^0x5a5a)
 	}
 	fmt.Printf("kvferry-bench: mode=%s op=%s segment=%s block=%d batch=%d threads=%d paths=%d duration=%gs\n",
 		c.mode, c.op, c.segment, c.blockSize, c.batchSize, c.threads, c.pathCount, c.duration)
