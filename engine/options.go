@@ -17,7 +17,7 @@ import (
 //	Host               KVFERRY_HOST                 127.0.0.1
 //	Port               KVFERRY_PORT                 0 (the kernel picks)
 //	Protocol           KVFERRY_PROTOCOL             tcp
-//	SliceSize          KVFERRY_SLICE_SIZE           256 KiB
+//	SliceSize          KVFERRY_SLICE_SIZE           1 MiB
 //	PathsPerPeer       KVFERRY_PATHS_PER_PEER       4
 //	MaxRetries         KVFERRY_MAX_RETRIES          2
 //	DefaultTimeout     KVFERRY_TIMEOUT_MS           30000
@@ -68,7 +68,7 @@ type Options struct {
 
 // Defaults of Options.
 const (
-	DefaultSliceSize    = 256 << 10
+	DefaultSliceSize    = 1 << 20
 	DefaultPathsPerPeer = 4
 	MaxSliceSize        = 64 << 20
 	MaxPathsPerPeer     = 64

@@ -161,7 +161,7 @@ typedef struct kvf_engine_options {
     int32_t port;               /* control port; 0: a free one (see kvf_engine_name) */
     int32_t paths_per_peer;     /* connections per peer, 1..64; 0: 4 */
     uint64_t slice_size;        /* largest piece of a request, 4 KiB..64 MiB;
-                                   0: 256 KiB */
+                                   0: 1 MiB */
     int32_t max_retries;        /* re-posts of a slice after a broken path; 0: 2 */
     int32_t default_timeout_ms; /* deadline of calls given KVF_TIMEOUT_DEFAULT;
                                    0: 30000 */
