@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -296,15 +297,35 @@ func (b *Batch) post(ctx context.Context, tasks []*task, sl *slab) {
 		groups = append(groups, group{seg: seg, k: k})
 		return len(groups) - 1
 	}
-	gi := 0
+	// Each path takes SliceSize bytes of the submit before the next one
+	// does, starting at a path that rotates per submit: a large request
+	// spreads over every path, while small batches from several threads
+	// each keep to one path instead of all waiting on all of them.
+	type spread struct {
+		seg   *Segment
+		start uint32
+		bytes uint64
+	}
+	var spreads []spread
+	unit := uint64(b.e.opts.SliceSize)
+	gi, si := 0, 0
 	for _, t := range tasks {
 		// A cancel may have ended the task already (Close, Batch.Cancel
 		// racing this Submit): never overwrite a final state.
 		t.status.CompareAndSwap(int32(Waiting), int32(Pending))
 		seg := t.req.Segment
+		if si >= len(spreads) || spreads[si].seg != seg {
+			si = slices.IndexFunc(spreads, func(sp spread) bool { return sp.seg == seg })
+			if si < 0 {
+				spreads = append(spreads, spread{seg: seg, start: seg.next.Add(1)})
+				si = len(spreads) - 1
+			}
+		}
+		sp := &spreads[si]
 		for j := range t.slices {
 			s := &t.slices[j]
-			s.hint = seg.next.Add(1)
+			s.hint = sp.start + uint32(sp.bytes/unit)
+			sp.bytes += uint64(len(s.Local))
 			gi = find(seg, s.hint%uint32(len(seg.paths)), gi)
 			groups[gi].n++
 		}
