@@ -189,7 +189,11 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 		return err // the slab is left to the GC: plan may have failed mid-way
 	}
 	b.mu.Lock()
-	if b.freed || len(b.tasks)+len(tasks) > b.capacity {
+	if b.freed {
+		b.mu.Unlock()
+		return ErrBatchFreed
+	}
+	if len(b.tasks)+len(tasks) > b.capacity {
 		b.mu.Unlock()
 		return fmt.Errorf("submit: %w", ErrBatchFull) // a concurrent submit filled it
 	}
@@ -514,10 +518,7 @@ func (t *task) cancel(st TaskStatus, cut map[*pathRef]struct{}) {
 
 // cancel cancels every task in flight and waits until they are final.
 func (b *Batch) cancel(st TaskStatus, reason error) {
-	b.mu.Lock()
-	tasks := append([]*task(nil), b.tasks...)
-	idle := b.idle
-	b.mu.Unlock()
+	tasks, idle := b.cancelSnapshot()
 	cut := map[*pathRef]struct{}{}
 	for _, t := range tasks {
 		t.cancel(st, cut)
@@ -532,6 +533,17 @@ func (b *Batch) cancel(st TaskStatus, reason error) {
 	}
 	wg.Wait()
 	<-idle
+}
+
+// cancelSnapshot returns the tasks to cancel and the channel that closes
+// when they are final. The batch is tainted before the snapshot is taken: a
+// Free from then on keeps its records out of the pool, so the snapshot never
+// points at records reused by another batch.
+func (b *Batch) cancelSnapshot() ([]*task, chan struct{}) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.tainted.Store(true)
+	return append([]*task(nil), b.tasks...), b.idle
 }
 
 // Cancel ends every task still in flight as CANCELED and returns once the
@@ -617,7 +629,8 @@ func (b *Batch) Free() error {
 // remaining tasks end TIMEOUT (CANCELED if ctx was canceled), and Transfer
 // returns only after the engine stopped touching their memory, a bound of
 // one syscall or one memcpy chunk past the deadline. The error is nil when
-// every task completed; otherwise it is the first task's error.
+// every task completed; otherwise it is the error of the first task that
+// did not.
 func (e *Engine) Transfer(ctx context.Context, reqs []Request) ([]TaskResult, error) {
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc

@@ -206,8 +206,8 @@ func (e *Engine) checkOpen() error {
 
 // Stats is a snapshot of an engine's counters.
 type Stats struct {
-	BytesWritten    uint64 // bytes of completed WRITE slices we initiated
-	BytesRead       uint64 // bytes of completed READ slices we initiated
+	BytesWritten    uint64 // bytes of completed WRITE tasks we initiated
+	BytesRead       uint64 // bytes of completed READ tasks we initiated
 	TasksCompleted  uint64
 	TasksFailed     uint64 // FAILED, TIMEOUT and ABORTED tasks
 	TasksCanceled   uint64

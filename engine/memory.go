@@ -135,9 +135,10 @@ func (e *Engine) FreeBuffer(addr uint64) error {
 	if !ok {
 		return fmt.Errorf("free buffer %#x: %w: not from AllocBuffer", addr, ErrInvalidArg)
 	}
-	// Unregistering waits for copies in progress, so unmapping is safe after
-	// it; a buffer the caller already unregistered has nothing to wait for.
-	if _, err := e.reg.Unregister([]uint64{addr}); err == nil {
+	// Every registration inside the buffer (the caller may have registered
+	// parts of it again) goes first; unregistering waits for copies in
+	// progress, so unmapping is safe after it.
+	if len(e.reg.UnregisterOverlapping(addr, uint64(len(mem)))) > 0 {
 		e.epoch.Add(1)
 	}
 	return memory.Free(mem)

@@ -42,12 +42,15 @@ type Options struct {
 	// PathsPerPeer is how many connections carry slices to one peer.
 	PathsPerPeer int
 	// MaxRetries is how often a slice that failed on a broken path is
-	// posted again on another path before its task fails.
+	// posted again on another path before its task fails; 0 takes the
+	// default (2), -1 turns retries off.
 	MaxRetries int
 	// DefaultTimeout bounds synchronous transfers whose context carries no
 	// deadline.
 	DefaultTimeout time.Duration
-	// IOTimeout bounds one blocked socket write.
+	// IOTimeout bounds the socket write of one frame (a gathered write of up
+	// to 4 MiB, or one READ answer); the connection is closed when it runs
+	// out.
 	IOTimeout time.Duration
 	// HeartbeatInterval is how often open segments are pinged; a segment
 	// that misses HeartbeatMisses pings in a row is declared dead and its
@@ -158,11 +161,13 @@ func (o *Options) fill() error {
 	if o.PathsPerPeer < 1 || o.PathsPerPeer > MaxPathsPerPeer {
 		return fmt.Errorf("paths per peer %d: want 1 to %d", o.PathsPerPeer, MaxPathsPerPeer)
 	}
-	if o.MaxRetries < 0 {
-		return fmt.Errorf("max retries %d is negative", o.MaxRetries)
-	}
-	if o.MaxRetries == 0 {
+	switch {
+	case o.MaxRetries < -1:
+		return fmt.Errorf("max retries %d: want -1 (none), 0 (default: 2) or more", o.MaxRetries)
+	case o.MaxRetries == 0:
 		o.MaxRetries = 2
+	case o.MaxRetries == -1:
+		o.MaxRetries = 0
 	}
 	def := func(d *time.Duration, v time.Duration) {
 		if *d <= 0 {

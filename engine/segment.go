@@ -48,8 +48,8 @@ type Segment struct {
 	name string
 	self bool
 
-	refreshMu sync.Mutex // one descriptor fetch at a time
-	desc      atomic.Pointer[control.Descriptor]
+	refreshing chan struct{} // holds a token while a descriptor fetch runs
+	desc       atomic.Pointer[control.Descriptor]
 
 	mu      sync.Mutex
 	paths   []*pathRef      // PathsPerPeer entries, nil until dialed
@@ -89,7 +89,7 @@ func (e *Engine) OpenSegment(ctx context.Context, name string) (*Segment, error)
 		return s, nil
 	}
 	e.segMu.Unlock()
-	s := &Segment{e: e, name: name, self: name == e.Name()}
+	s := &Segment{e: e, name: name, self: name == e.Name(), refreshing: make(chan struct{}, 1)}
 	s.paths = make([]*pathRef, e.opts.PathsPerPeer)
 	if s.self {
 		s.paths = s.paths[:1]
@@ -98,6 +98,12 @@ func (e *Engine) OpenSegment(ctx context.Context, name string) (*Segment, error)
 	if s.self {
 		s.desc.Store(e.Descriptor())
 	} else if err := s.refresh(ctx); err != nil {
+		e.segMu.Lock()
+		cached := e.segments[name] != nil
+		e.segMu.Unlock()
+		if !cached {
+			e.plane.Forget(name) // no socket lingers, reconnecting, for a name that failed
+		}
 		return nil, fmt.Errorf("open segment %q: %w", name, err)
 	}
 	e.segMu.Lock()
@@ -136,8 +142,14 @@ func (s *Segment) refresh(ctx context.Context) error {
 		s.desc.Store(s.e.Descriptor())
 		return nil
 	}
-	s.refreshMu.Lock()
-	defer s.refreshMu.Unlock()
+	// One fetch at a time, but a caller waiting its turn still keeps its
+	// own deadline.
+	select {
+	case s.refreshing <- struct{}{}:
+		defer func() { <-s.refreshing }()
+	case <-ctx.Done():
+		return fmt.Errorf("%w: waiting for a descriptor fetch: %w", ErrSegmentUnknown, ctx.Err())
+	}
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, s.e.opts.DefaultTimeout)

@@ -38,7 +38,8 @@ func TestReusedRecordsKeepConcurrentLocalTransfersApart(t *testing.T) {
 					src[i] = byte(w*31 + r + i)
 				}
 				if r%5 == 4 {
-					// A batch canceled at once: its records are not reused.
+					// A batch canceled at once (its tasks may be final
+					// already): Cancel keeps its records out of the pool.
 					b, err := e.AllocateBatch(reqs)
 					if err != nil {
 						t.Error(err)

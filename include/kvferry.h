@@ -162,10 +162,12 @@ typedef struct kvf_engine_options {
     int32_t paths_per_peer;     /* connections per peer, 1..64; 0: 4 */
     uint64_t slice_size;        /* largest piece of a request, 4 KiB..64 MiB;
                                    0: 1 MiB */
-    int32_t max_retries;        /* re-posts of a slice after a broken path; 0: 2 */
+    int32_t max_retries;        /* re-posts of a slice after a broken path;
+                                   0: 2, -1: none */
     int32_t default_timeout_ms; /* deadline of calls given KVF_TIMEOUT_DEFAULT;
                                    0: 30000 */
-    int32_t io_timeout_ms;      /* bound on one blocked socket write; 0: 30000 */
+    int32_t io_timeout_ms;      /* bound on writing one frame to a socket
+                                   (up to 4 MiB, or one READ answer); 0: 30000 */
     int32_t heartbeat_ms;       /* ping period of open segments; 0: 1000 */
     int32_t heartbeat_misses;   /* missed pings before a peer is dead; 0: 5 */
     int32_t log_level;          /* KVF_LOG_*; logs go to stderr */

@@ -251,6 +251,31 @@ func (g *Registry) Unregister(addrs []uint64) ([]*Region, error) {
 	return regs, nil
 }
 
+// UnregisterOverlapping removes every region overlapping [addr, addr+n),
+// waiting for copies in progress like Unregister, and returns them.
+func (g *Registry) UnregisterOverlapping(addr, n uint64) []*Region {
+	g.mu.Lock()
+	var regs []*Region
+	kept := g.byAddr[:0:0]
+	for _, r := range g.byAddr {
+		if r.Addr < addr+n && addr < r.End() {
+			regs = append(regs, r)
+			delete(g.byKey, r.Key)
+		} else {
+			kept = append(kept, r)
+		}
+	}
+	if len(regs) > 0 {
+		g.byAddr = kept
+	}
+	g.mu.Unlock()
+	for _, r := range regs {
+		r.retire()
+		r.keep = nil
+	}
+	return regs
+}
+
 func (g *Registry) findLocked(addr uint64) *Region {
 	i := sort.Search(len(g.byAddr), func(i int) bool { return g.byAddr[i].End() > addr })
 	if i < len(g.byAddr) && g.byAddr[i].Addr <= addr {

@@ -94,8 +94,11 @@ type Target struct {
 	Mem   []byte
 }
 
-// Slice states. A slice moves forward only: Queued -> Active -> Sent ->
-// (Receiving) -> Done, or to Canceled from Queued or Sent.
+// Slice states. On a path a slice goes Queued -> Active -> Sent -> Done, a
+// READ through Receiving (from Sent, or from Active when its data overtakes
+// the sender); it may end (Done) from any of these when its path dies, and
+// goes to Canceled only from Queued or Sent. Only the engine moves a slice
+// back: Reset puts an ended slice in Queued again to retry it elsewhere.
 const (
 	StateQueued    int32 = iota // waiting in the path's queue
 	StateActive                 // the path is reading or writing our memory for it

@@ -31,6 +31,7 @@ type endpoint struct {
 	// The receiver's buffer of answer headers.
 	inBuf          [4096]byte
 	inStart, inEnd int
+	dataSeq        uint64 // the slice whose READ_DATA came last
 
 	dead       atomic.Bool
 	deadlineMu sync.Mutex // orders armWrite against fail
@@ -205,6 +206,10 @@ func (ep *endpoint) receive() {
 			return
 		}
 		s := v.(*transport.Slice)
+		if want := s.Op == transport.Write; want != (h.typ == frameWriteAck) {
+			ep.fail(fmt.Errorf("%w: answer type %d for a %s slice", errBadFrame, h.typ, s.Op))
+			return
+		}
 		switch h.typ {
 		case frameWriteAck:
 			ep.pending.Delete(h.seq)
@@ -218,7 +223,12 @@ func (ep *endpoint) receive() {
 				ep.fail(err)
 				return
 			}
+			ep.dataSeq = h.seq
 		case frameReadDone:
+			if h.status == statusOK && ep.dataSeq != h.seq {
+				ep.fail(fmt.Errorf("%w: READ_DONE without READ_DATA for slice %d", errBadFrame, h.seq))
+				return
+			}
 			ep.pending.Delete(h.seq)
 			ep.reads.Add(-1)
 			s.Finish(sliceErr(&h, len(s.Local)))

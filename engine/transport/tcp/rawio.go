@@ -166,11 +166,11 @@ func (c *rawConn) writeGuarded(hdr, payload []byte, g guard) (sent int, refusal 
 		})
 		if refusal != nil {
 			if h < len(hdr) {
-				if err := c.writeZeros(hdr[h:], 0); err != nil {
+				if err := c.finishFrame(hdr[h:], 0); err != nil {
 					return sent, refusal, err
 				}
 			}
-			return sent, refusal, c.writeZeros(nil, len(payload)-sent)
+			return sent, refusal, c.finishFrame(nil, len(payload)-sent)
 		}
 		if werr != nil {
 			return sent, nil, werr
@@ -234,11 +234,12 @@ func (c *rawConn) writev(iov [][]byte, g guard) error {
 	return nil
 }
 
-// writeZeros writes prefix then n zero bytes.
-func (c *rawConn) writeZeros(prefix []byte, n int) error {
+// finishFrame writes the rest of a frame after a refusal: what is left of
+// its header, then n zero bytes in place of the payload not sent.
+func (c *rawConn) finishFrame(header []byte, n int) error {
 	clear(c.scratch)
-	if len(prefix) > 0 {
-		if _, _, err := c.writeGuarded(prefix, nil, nil); err != nil {
+	if len(header) > 0 {
+		if _, _, err := c.writeGuarded(header, nil, nil); err != nil {
 			return err
 		}
 	}

@@ -72,11 +72,7 @@ func (t *Transport) serve(conn *net.TCPConn) {
 	var a transport.Access
 	for {
 		if err := c.readHeader(&h); err != nil {
-			if !isClosed(err) && !t.closing.Load() && !errors.Is(err, errBadFrame) {
-				t.opts.Logger.Debug("tcp: owner connection ended", "peer", initiator, "err", err)
-			} else if errors.Is(err, errBadFrame) {
-				t.protoErr(conn, initiator, err)
-			}
+			t.connEnded(conn, initiator, err)
 			return
 		}
 		a = transport.Access{
@@ -94,7 +90,7 @@ func (t *Transport) serve(conn *net.TCPConn) {
 			err = fmt.Errorf("%w: unexpected type %d from an initiator", errBadFrame, h.typ)
 		}
 		if err != nil {
-			t.protoErr(conn, initiator, err)
+			t.connEnded(conn, initiator, err)
 			return
 		}
 	}
@@ -229,6 +225,16 @@ func (c *ownerConn) serveRead(h *header, a *transport.Access) error {
 		c.answer(&done, 0)
 		return c.flushIfFull()
 	}
+	// A refusal already in force costs a lone READ_DONE, not a frame of
+	// zeros: look before committing READ_DATA (the guard is checked again
+	// before each chunk).
+	if err := tgt.Guard.Enter(); err != nil {
+		done.status = statusOf(err)
+		t.stats.refused.Add(1)
+		c.answer(&done, 0)
+		return c.flushIfFull()
+	}
+	tgt.Guard.Leave()
 	c.answer(&header{typ: frameReadData, seq: h.seq, requestID: h.requestID, generation: h.generation, length: h.length}, 0)
 	_ = c.conn.SetWriteDeadline(time.Now().Add(t.opts.IOTimeout))
 	sent, refusal, err := c.raw.writeGuarded(c.answers, tgt.Mem, tgt.Guard)
@@ -255,6 +261,19 @@ func (t *Transport) protoErr(conn net.Conn, peer string, err error) {
 	}
 	t.stats.protocolErrors.Add(1)
 	t.opts.Logger.Warn("tcp: dropping connection", "peer", peer, "remote", conn.RemoteAddr().String(), "err", err)
+}
+
+// connEnded reports why an owner-side connection ends: a malformed frame is
+// a protocol error (logged and counted); a closed peer, a write deadline (an
+// initiator that stopped reading) or a dead socket is not.
+func (t *Transport) connEnded(conn net.Conn, peer string, err error) {
+	if errors.Is(err, errBadFrame) {
+		t.protoErr(conn, peer, err)
+		return
+	}
+	if !isClosed(err) && !t.closing.Load() {
+		t.opts.Logger.Debug("tcp: owner connection ended", "peer", peer, "err", err)
+	}
 }
 
 // connSet tracks live connections so Close can cut them.

@@ -189,10 +189,10 @@ func (t *Transport) Dial(ctx context.Context, addr, self string) (transport.Endp
 		return nil, fmt.Errorf("tcp: handshake with %s: %w: %w", addr, transport.ErrConnection, err)
 	}
 	t.epMu.Lock()
-	if t.endpoints == nil {
+	if t.endpoints == nil || ep.Dead() {
 		t.epMu.Unlock()
 		ep.Abort(transport.ErrClosed)
-		return nil, transport.ErrClosed
+		return nil, fmt.Errorf("tcp: dial %s: %w: path died at once", addr, transport.ErrConnection)
 	}
 	t.endpoints[ep] = struct{}{}
 	t.epMu.Unlock()
