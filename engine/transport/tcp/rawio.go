@@ -128,14 +128,16 @@ func (c *rawConn) discard(n int) error {
 	return nil
 }
 
-// writeGuarded writes hdr then payload in as few syscalls as the socket
-// allows, entering g around each write that reads payload. Once g refuses,
-// zeros stand in for the rest of the payload so the frame stays whole; it
-// returns how many payload bytes were sent from memory, g's refusal and any
-// socket error.
-func (c *rawConn) writeGuarded(hdr, payload []byte, g guard) (sent int, refusal error, err error) {
-	h := 0
-	for h < len(hdr) || sent < len(payload) {
+// writeGuarded writes hdr, payload and trailer in as few syscalls as the
+// socket allows, entering g around each write that reads payload. Once g
+// refuses, zeros stand in for the rest of the payload so the frame stays
+// whole, and the trailer (which only goes out after the whole payload) is
+// not sent; it returns how many payload bytes were sent from memory, g's
+// refusal and any socket error.
+func (c *rawConn) writeGuarded(hdr, payload []byte, g guard, trailer ...byte) (sent int, refusal error, err error) {
+	h, t := 0, 0
+	var iov [3][]byte
+	for h < len(hdr) || sent < len(payload) || t < len(trailer) {
 		var n int
 		var opErr error
 		werr := c.rc.Write(func(fd uintptr) bool {
@@ -146,14 +148,17 @@ func (c *rawConn) writeGuarded(hdr, payload []byte, g guard) (sent int, refusal 
 					return true
 				}
 			}
+			parts := iov[:0]
+			for _, p := range [][]byte{hdr[h:], payload[sent:], trailer[t:]} {
+				if len(p) > 0 {
+					parts = append(parts, p)
+				}
+			}
 			for {
-				switch {
-				case h == len(hdr):
-					n, opErr = unix.Write(int(fd), payload[sent:])
-				case usesPayload:
-					n, opErr = unix.Writev(int(fd), [][]byte{hdr[h:], payload[sent:]})
-				default:
-					n, opErr = unix.Write(int(fd), hdr[h:])
+				if len(parts) == 1 {
+					n, opErr = unix.Write(int(fd), parts[0])
+				} else {
+					n, opErr = unix.Writev(int(fd), parts)
 				}
 				if opErr != unix.EINTR {
 					break
@@ -180,7 +185,10 @@ func (c *rawConn) writeGuarded(hdr, payload []byte, g guard) (sent int, refusal 
 		}
 		hn := min(n, len(hdr)-h)
 		h += hn
-		sent += n - hn
+		n -= hn
+		pn := min(n, len(payload)-sent)
+		sent += pn
+		t += n - pn
 	}
 	return sent, nil, nil
 }

@@ -236,19 +236,26 @@ func (c *ownerConn) serveRead(h *header, a *transport.Access) error {
 	}
 	tgt.Guard.Leave()
 	c.answer(&header{typ: frameReadData, seq: h.seq, requestID: h.requestID, generation: h.generation, length: h.length}, 0)
+	// READ_DONE goes out in the payload's last syscall, so the initiator
+	// gets it with the data; after a refusal a READ_DONE saying so replaces
+	// it.
+	done.done = uint64(len(tgt.Mem))
+	var tb [HeaderSize]byte
+	done.encode(tb[:])
 	_ = c.conn.SetWriteDeadline(time.Now().Add(t.opts.IOTimeout))
-	sent, refusal, err := c.raw.writeGuarded(c.answers, tgt.Mem, tgt.Guard)
+	sent, refusal, err := c.raw.writeGuarded(c.answers, tgt.Mem, tgt.Guard, tb[:]...)
 	c.answers, c.answerFrames, c.answerBytes = c.answers[:0], 0, 0
 	if err != nil {
 		return err
 	}
 	t.stats.bytesOut.Add(uint64(sent))
-	done.done = uint64(sent)
-	if refusal != nil {
-		done.status = statusOf(refusal)
-		t.stats.refused.Add(1)
-		t.stats.refusedInFlight.Add(1)
+	if refusal == nil {
+		return nil
 	}
+	done.done = uint64(sent)
+	done.status = statusOf(refusal)
+	t.stats.refused.Add(1)
+	t.stats.refusedInFlight.Add(1)
 	c.answer(&done, uint64(sent))
 	return c.flushIfFull()
 }
