@@ -20,7 +20,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 if ! command -v go >/dev/null 2>&1; then
-  echo "deps: no Go toolchain on PATH (need Go 1.24 or newer; Debian 12's golang package is too old)" >&2
+  echo "deps: no Go toolchain on PATH (go.mod asks for Go 1.26; Debian 12's golang package is too old)" >&2
   exit 1
 fi
 # Go modules (cached after the first run).
