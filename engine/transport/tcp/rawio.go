@@ -193,6 +193,61 @@ func (c *rawConn) writeGuarded(hdr, payload []byte, g guard, trailer ...byte) (s
 	return sent, nil, nil
 }
 
+// errRefusedMidWrite says a guard refused while a gathered write was under
+// way: the frame is torn and the connection must be closed.
+var errRefusedMidWrite = fmt.Errorf("%w: memory refused mid-write", transport.ErrRefused)
+
+// writevGuards writes all of iov, entering every guard around each
+// syscall; a refusal stops the write (see errRefusedMidWrite).
+func (c *rawConn) writevGuards(iov [][]byte, guards []transport.Guard) error {
+	for len(iov) > 0 {
+		var n int
+		var opErr, refusal error
+		werr := c.rc.Write(func(fd uintptr) bool {
+			for i, g := range guards {
+				if e := g.Enter(); e != nil {
+					for _, h := range guards[:i] {
+						h.Leave()
+					}
+					refusal = e
+					return true
+				}
+			}
+			for {
+				n, opErr = unix.Writev(int(fd), iov)
+				if opErr != unix.EINTR {
+					break
+				}
+			}
+			for _, g := range guards {
+				g.Leave()
+			}
+			return opErr != unix.EAGAIN
+		})
+		switch {
+		case refusal != nil:
+			return fmt.Errorf("%w: %w", errRefusedMidWrite, refusal)
+		case werr != nil:
+			return werr
+		case opErr != nil:
+			return opErr
+		}
+		for n > 0 {
+			if n >= len(iov[0]) {
+				n -= len(iov[0])
+				iov = iov[1:]
+			} else {
+				iov[0] = iov[0][n:]
+				n = 0
+			}
+		}
+		for len(iov) > 0 && len(iov[0]) == 0 {
+			iov = iov[1:]
+		}
+	}
+	return nil
+}
+
 // writev writes all of iov, entering g (when not nil) around each syscall.
 // It returns g's refusal or the socket's error; after either, the stream
 // holds a torn frame and the connection must be closed.

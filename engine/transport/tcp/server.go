@@ -23,6 +23,12 @@ type ownerConn struct {
 	in             [16 * HeaderSize]byte
 	inStart, inEnd int
 	lastWrite      bool
+
+	// Reused by serveReads.
+	gatherHdrs   []header
+	gatherIov    [][]byte
+	gatherGuards []transport.Guard
+	gatherFrames [2 * maxGatheredReads * HeaderSize]byte
 	// answers are WRITE_ACKs not yet written: they go out together when
 	// the socket has nothing more to read, or once enough piled up.
 	answers      []byte
@@ -85,7 +91,11 @@ func (t *Transport) serve(conn *net.TCPConn) {
 			err = c.serveWrite(&h, &a)
 		case frameRead:
 			a.Op = transport.Read
-			err = c.serveRead(&h, &a)
+			if c.nextIsRead() {
+				err = c.serveReads(&h, initiator)
+			} else {
+				err = c.serveRead(&h, &a)
+			}
 		default:
 			err = fmt.Errorf("%w: unexpected type %d from an initiator", errBadFrame, h.typ)
 		}
@@ -209,6 +219,89 @@ func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 	}
 	c.answer(&ack, uint64(landed))
 	return c.flushIfFull()
+}
+
+// nextIsRead reports whether a whole READ header is already read ahead.
+func (c *ownerConn) nextIsRead() bool {
+	return c.inEnd-c.inStart >= HeaderSize && c.in[c.inStart+3] == frameRead
+}
+
+// maxGatheredReads bounds the READ answers written in one writev.
+const maxGatheredReads = 16
+
+// serveReads answers h and the READs read ahead behind it in one gathered
+// write: per READ, READ_DATA, its payload and READ_DONE, or READ_DONE alone
+// for a refusal at admission. All admitted ranges are entered around each
+// syscall; a refusal that strikes mid-write (memory unregistered, request
+// aborted) stops the write before another byte of that memory goes out and
+// closes the connection (the frame is torn), so the initiator retries and
+// is refused at admission.
+func (c *ownerConn) serveReads(first *header, initiator string) error {
+	t := c.t
+	c.lastWrite = false
+	hs := c.gatherHdrs[:0]
+	hs = append(hs, *first)
+	var h header
+	total := int(first.length)
+	for len(hs) < maxGatheredReads && total < maxGatherBytes && c.nextIsRead() {
+		if err := c.readHeader(&h); err != nil {
+			return err
+		}
+		hs = append(hs, h)
+		total += int(h.length)
+	}
+	iov := append(c.gatherIov[:0], c.answers)
+	guards := c.gatherGuards[:0]
+	frames := c.gatherFrames[:0] // never grows: 2 headers per READ at most
+	sent := 0
+	for i := range hs {
+		h := &hs[i]
+		a := transport.Access{Op: transport.Read, Initiator: initiator, RequestID: h.requestID, Generation: h.generation,
+			GrantID: h.grantID, Key: h.key, Addr: h.addr, Length: uint64(h.length)}
+		done := header{typ: frameReadDone, seq: h.seq, requestID: h.requestID, generation: h.generation}
+		tgt, err := t.owner.Admit(a)
+		if err == nil {
+			if err = tgt.Guard.Enter(); err == nil {
+				tgt.Guard.Leave()
+			}
+		}
+		if err != nil {
+			done.status = statusOf(err)
+			t.stats.refused.Add(1)
+			frames = append(frames, frameBytes(&done)...)
+			iov = append(iov, frames[len(frames)-HeaderSize:])
+			continue
+		}
+		data := header{typ: frameReadData, seq: h.seq, requestID: h.requestID, generation: h.generation, length: h.length}
+		done.done = uint64(len(tgt.Mem))
+		frames = append(frames, frameBytes(&data)...)
+		iov = append(iov, frames[len(frames)-HeaderSize:], tgt.Mem)
+		frames = append(frames, frameBytes(&done)...)
+		iov = append(iov, frames[len(frames)-HeaderSize:])
+		guards = append(guards, tgt.Guard)
+		sent += len(tgt.Mem)
+	}
+	c.gatherHdrs, c.gatherIov, c.gatherGuards = hs[:0], iov[:0], guards[:0]
+	_ = c.conn.SetWriteDeadline(time.Now().Add(t.opts.IOTimeout))
+	err := c.raw.writevGuards(iov, guards)
+	c.answers, c.answerFrames, c.answerBytes = c.answers[:0], 0, 0
+	clear(guards)
+	if err != nil {
+		if errors.Is(err, errRefusedMidWrite) {
+			t.stats.refused.Add(1)
+			t.stats.refusedInFlight.Add(1)
+		}
+		return err
+	}
+	t.stats.bytesOut.Add(uint64(sent))
+	return nil
+}
+
+// frameBytes encodes h.
+func frameBytes(h *header) []byte {
+	var b [HeaderSize]byte
+	h.encode(b[:])
+	return b[:]
 }
 
 // serveRead answers one READ frame with READ_DATA and READ_DONE, or with
