@@ -163,7 +163,9 @@ func (b *Batch) Len() int {
 // Submit checks every request, then starts them all; when any request is
 // invalid (bad op, zero length, memory not registered here or at the
 // segment) none starts and the error names the request. Task i of the batch
-// is the i-th request ever submitted to it.
+// is the i-th request ever submitted to it. ctx bounds only what Submit
+// itself waits for (a descriptor refresh, dialing a path); the tasks run on
+// until Wait, Cancel or Close.
 func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	e := b.e
 	if err := e.checkOpen(); err != nil {
