@@ -24,9 +24,10 @@ type endpoint struct {
 	queue   []*transport.Slice
 	closed  bool // no more posts; set once the goroutines ended
 	wake    chan struct{}
-	pending sync.Map     // seq -> *transport.Slice; ends in order, but a map keeps lookups honest
-	seq     uint64       // sender only
-	reads   atomic.Int32 // READ slices sent and not yet READ_DONE
+	pending sync.Map           // seq -> *transport.Slice; ends in order, but a map keeps lookups honest
+	seq     uint64             // sender only
+	reads   atomic.Int32       // READ slices sent and not yet READ_DONE
+	guard   [1]transport.Guard // the sender's guard list: one region per gathered write
 
 	// The receiver's buffer of answer headers.
 	inBuf          [4096]byte
@@ -164,11 +165,11 @@ func (ep *endpoint) send() {
 				ep.mu.Unlock()
 				break
 			}
-			var g guard
+			guards := ep.guard[:0]
 			if reg != nil {
-				g = reg
+				guards = append(guards, reg)
 			}
-			if err := ep.out.writev(iov, g); err != nil {
+			if err := ep.out.writevGuards(iov, guards); err != nil {
 				// A torn frame cannot be resumed: the path dies, and the
 				// slices left go back to the queue for the sweep to fail.
 				// (A refusal here means our own memory was unregistered.)

@@ -198,7 +198,9 @@ func (c *rawConn) writeGuarded(hdr, payload []byte, g guard, trailer ...byte) (s
 var errRefusedMidWrite = fmt.Errorf("%w: memory refused mid-write", transport.ErrRefused)
 
 // writevGuards writes all of iov, entering every guard around each
-// syscall; a refusal stops the write (see errRefusedMidWrite).
+// syscall; a refusal stops the write (see errRefusedMidWrite). After a
+// refusal or a socket error the stream holds a torn frame and the
+// connection must be closed.
 func (c *rawConn) writevGuards(iov [][]byte, guards []transport.Guard) error {
 	for len(iov) > 0 {
 		var n int
@@ -227,55 +229,6 @@ func (c *rawConn) writevGuards(iov [][]byte, guards []transport.Guard) error {
 		switch {
 		case refusal != nil:
 			return fmt.Errorf("%w: %w", errRefusedMidWrite, refusal)
-		case werr != nil:
-			return werr
-		case opErr != nil:
-			return opErr
-		}
-		for n > 0 {
-			if n >= len(iov[0]) {
-				n -= len(iov[0])
-				iov = iov[1:]
-			} else {
-				iov[0] = iov[0][n:]
-				n = 0
-			}
-		}
-		for len(iov) > 0 && len(iov[0]) == 0 {
-			iov = iov[1:]
-		}
-	}
-	return nil
-}
-
-// writev writes all of iov, entering g (when not nil) around each syscall.
-// It returns g's refusal or the socket's error; after either, the stream
-// holds a torn frame and the connection must be closed.
-func (c *rawConn) writev(iov [][]byte, g guard) error {
-	for len(iov) > 0 {
-		var n int
-		var opErr, refusal error
-		werr := c.rc.Write(func(fd uintptr) bool {
-			if g != nil {
-				if e := g.Enter(); e != nil {
-					refusal = e
-					return true
-				}
-			}
-			for {
-				n, opErr = unix.Writev(int(fd), iov)
-				if opErr != unix.EINTR {
-					break
-				}
-			}
-			if g != nil {
-				g.Leave()
-			}
-			return opErr != unix.EAGAIN
-		})
-		switch {
-		case refusal != nil:
-			return fmt.Errorf("local memory: %w", refusal)
 		case werr != nil:
 			return werr
 		case opErr != nil:
