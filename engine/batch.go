@@ -58,6 +58,13 @@ type Request struct {
 	Remote    uint64 // address in the segment's registered memory
 	Length    uint64
 	RequestID uint64 // the application's request id (0: none); aborts act on it
+	// Generation is the request id's generation at the owner: 0 until the
+	// owner aborts the request id, then AbortResult.Generation (or a
+	// Grant's Generation); accesses below the owner's are refused.
+	Generation uint32
+	// GrantID names the owner's grant the access falls under; 0 lets the
+	// owner find it by initiator and range.
+	GrantID uint64
 }
 
 // TaskResult is the outcome of one request.
@@ -190,13 +197,29 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	if err != nil {
 		return err // the slab is left to the GC: plan may have failed mid-way
 	}
-	b.mu.Lock()
-	if b.freed {
-		b.mu.Unlock()
-		return ErrBatchFreed
+	// Between the tombstone check and listing the tasks in the batch an
+	// ABORT's handler must not run: it would miss them (see handleAbort).
+	var aborted []*task
+	tombs := e.hasTombs.Load()
+	if tombs {
+		e.abortMu.RLock()
+		for _, t := range tasks {
+			if t.req.RequestID != 0 && e.abortedLocked(t.req.Segment.name, t.req.RequestID, t.req.Generation) {
+				t.final.Store(int32(Aborted))
+				aborted = append(aborted, t)
+			}
+		}
 	}
-	if len(b.tasks)+len(tasks) > b.capacity {
+	b.mu.Lock()
+	if b.freed || len(b.tasks)+len(tasks) > b.capacity {
+		freed := b.freed
 		b.mu.Unlock()
+		if tombs {
+			e.abortMu.RUnlock()
+		}
+		if freed {
+			return ErrBatchFreed
+		}
 		return fmt.Errorf("submit: %w", ErrBatchFull) // a concurrent submit filled it
 	}
 	b.slabs = append(b.slabs, sl)
@@ -209,8 +232,21 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	} else {
 		b.tasks = append(b.tasks, tasks...)
 	}
+	if len(aborted) > 0 {
+		b.tainted.Store(true)
+	}
 	b.mu.Unlock()
+	if tombs {
+		e.abortMu.RUnlock()
+	}
 	e.stats.tasksInFlight.Add(int64(len(tasks)))
+	if len(aborted) > 0 {
+		// Their owner aborted the request: they end ABORTED unposted.
+		for _, t := range aborted {
+			t.abort()
+		}
+		tasks = slices.DeleteFunc(slices.Clone(tasks), func(t *task) bool { return t.final.Load() != 0 })
+	}
 	b.post(ctx, tasks, sl)
 	return nil
 }
@@ -274,6 +310,7 @@ func (b *Batch) plan(ctx context.Context, reqs []Request) ([]*task, *slab, error
 			s := &t.slices[j]
 			s.t = t
 			s.Op, s.Key, s.Remote, s.RequestID = r.Op, key, r.Remote+off, r.RequestID
+			s.Generation, s.GrantID = r.Generation, r.GrantID
 			s.Local, s.LocalReg = lreg.Bytes(r.Local+off, ln), lreg
 			s.Done, s.Tag = sliceDone, s
 		}
@@ -450,11 +487,21 @@ func (t *task) finish() {
 	if f := TaskStatus(t.final.Load()); f != 0 {
 		st = f
 		t.err = fmt.Errorf("%s %s of [%#x, +%d) at %s: %w", st, t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, cancelErr(st))
+	} else if t.err != nil && isAbortRefusal(t.err) {
+		st = Aborted
+		t.err = fmt.Errorf("%s of [%#x, +%d) at %s: %w", t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, t.err)
 	} else if t.err != nil {
 		st = Failed
 		t.err = fmt.Errorf("%s of [%#x, +%d) at %s: %w: %w", t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, ErrTransferFailed, t.err)
 	}
 	t.errMu.Unlock()
+	if st == Aborted {
+		e.stats.tasksAborted.Add(1)
+		if TaskStatus(t.final.Load()) != Aborted {
+			// Learned from the owner's refusal, not from its ABORT.
+			e.learnAbort(t.req.Segment.name, t.req.RequestID, t.req.Generation)
+		}
+	}
 	switch st {
 	case Completed:
 		e.stats.tasksCompleted.Add(1)
@@ -481,8 +528,11 @@ func (t *task) finish() {
 }
 
 func cancelErr(st TaskStatus) error {
-	if st == Timeout {
+	switch st {
+	case Timeout:
 		return ErrTimeout
+	case Aborted:
+		return ErrAborted
 	}
 	return ErrCanceled
 }

@@ -27,6 +27,7 @@ import (
 
 	"github.com/kvferry/kvferry/engine/control"
 	"github.com/kvferry/kvferry/engine/memory"
+	"github.com/kvferry/kvferry/engine/requests"
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/engine/transport/local"
 	"github.com/kvferry/kvferry/engine/transport/tcp"
@@ -75,6 +76,24 @@ type Engine struct {
 
 	slabs sync.Pool // *slab, see batch.go
 
+	// Owner side of aborts: request states, and aborts awaiting ACKs.
+	reqs    *requests.Table
+	pendMu  sync.Mutex
+	pending map[abortKey]*pendingAbort
+
+	// Initiator side: tombstones of requests owners aborted. abortMu is
+	// held shared by Submit from its tombstone check until its tasks are
+	// listed in their batch, and exclusively by an ABORT's handler.
+	abortMu   sync.RWMutex
+	tombs     map[tombKey]*tombstone
+	tombQueue []tombKey
+	hasTombs  atomic.Bool
+
+	evMu     sync.Mutex
+	events   chan Event
+	evClosed bool
+	efd      int
+
 	stats engineCounters
 }
 
@@ -82,6 +101,9 @@ type engineCounters struct {
 	bytesWritten, bytesRead                             atomic.Uint64
 	tasksCompleted, tasksFailed, tasksCanceled, retries atomic.Uint64
 	tasksInFlight                                       atomic.Int64
+	abortsSafe, abortsNotSafe, abortAcks, acksUnmatched atomic.Uint64
+	abortResends, abortsReceived, controlDropped        atomic.Uint64
+	eventsDropped, notifications, tasksAborted          atomic.Uint64
 }
 
 // New starts an engine: it binds the control plane on opts.Host:opts.Port
@@ -100,6 +122,9 @@ func New(opts Options) (*Engine, error) {
 		opts: opts, log: opts.Logger, reg: memory.NewRegistry(),
 		segments: map[string]*Segment{}, live: map[*Batch]struct{}{},
 		closed: make(chan struct{}), allocs: map[uint64][]byte{},
+		reqs:    requests.New(requests.Options{MaxTombstones: opts.MaxTombstones, TombstoneTTL: opts.TombstoneTTL}),
+		pending: map[abortKey]*pendingAbort{}, tombs: map[tombKey]*tombstone{},
+		events: make(chan Event, opts.EventQueue), efd: -1,
 	}
 	e.closeCtx, e.cancel = context.WithCancel(context.Background())
 	plane, err := control.Listen(host, opts.Port, e.log)
@@ -108,7 +133,7 @@ func New(opts Options) (*Engine, error) {
 		return nil, fmt.Errorf("kvferry: %w", err)
 	}
 	e.plane = plane
-	e.tcp = tcp.New(tcp.Options{ListenHost: host, IOTimeout: opts.IOTimeout, Logger: e.log})
+	e.tcp = tcp.New(tcp.Options{ListenHost: host, IOTimeout: opts.IOTimeout, Logger: e.log, ApplyDelay: opts.Testing.ApplyDelay})
 	tcpAddr, err := e.tcp.Listen(e)
 	if err != nil {
 		e.cancel()
@@ -126,6 +151,9 @@ func New(opts Options) (*Engine, error) {
 	}
 	plane.Handle(control.MsgGetDescriptor, e.handleGetDescriptor)
 	plane.Handle(control.MsgPing, func(string, []byte) (control.MsgType, []byte) { return control.MsgPong, nil })
+	plane.Handle(control.MsgAbort, e.handleAbort)
+	plane.Handle(control.MsgAbortAck, e.handleAbortAck)
+	plane.Handle(control.MsgNotify, e.handleNotify)
 	plane.Start()
 	e.bg.Add(1)
 	go e.heartbeats()
@@ -193,6 +221,7 @@ func (e *Engine) Close() error {
 	errs = append(errs, e.local.Close(), e.tcp.Close(), e.plane.Close())
 	close(e.closed)
 	e.bg.Wait()
+	e.closeEvents()
 	e.log.Debug("kvferry: engine closed", "segment", e.Name())
 	return errors.Join(errs...)
 }
@@ -222,6 +251,24 @@ type Stats struct {
 	ControlLate     uint64 // control replies that matched no request
 	Registrations   int    // registered ranges
 	OpenSegments    int
+
+	// Aborts, as owner.
+	AbortsSafe      uint64 // Abort calls that reported Safe
+	AbortsNotSafe   uint64 // Abort calls that reported not Safe
+	AbortAcks       uint64 // ABORT_ACKs that completed an initiator's part
+	AcksUnmatched   uint64 // ABORT_ACKs dropped: late, duplicate, unknown
+	AbortResends    uint64 // ABORTs sent again for want of an ACK
+	Tombstones      int64  // aborted request ids remembered as owner
+	Grants          int    // live grants
+	RequestStates   int    // request ids with owner-side state
+	TombstonesEvict uint64 // owner tombstones forgotten (aged out or at the cap)
+	// Aborts, as initiator.
+	AbortsReceived      uint64 // ABORT messages received (duplicates too)
+	TasksAborted        uint64 // tasks that ended ABORTED
+	InitiatorTombstones int    // request ids we know aborted by their owner
+	// Events.
+	EventsDropped uint64 // events dropped because the queue was full
+	Notifications uint64 // notifications received and queued
 }
 
 // Stats returns a snapshot of the counters.
@@ -231,13 +278,24 @@ func (e *Engine) Stats() Stats {
 	e.segMu.Lock()
 	nseg := len(e.segments)
 	e.segMu.Unlock()
+	rs := e.reqs.Stats()
+	e.abortMu.RLock()
+	ntomb := len(e.tombs)
+	e.abortMu.RUnlock()
 	return Stats{
+		AbortsSafe: e.stats.abortsSafe.Load(), AbortsNotSafe: e.stats.abortsNotSafe.Load(),
+		AbortAcks: e.stats.abortAcks.Load(), AcksUnmatched: e.stats.acksUnmatched.Load(),
+		AbortResends: e.stats.abortResends.Load(), Tombstones: rs.Tombstones, Grants: rs.Grants,
+		RequestStates: e.reqs.Len(), TombstonesEvict: uint64(rs.Evicted),
+		AbortsReceived: e.stats.abortsReceived.Load(), TasksAborted: e.stats.tasksAborted.Load(),
+		InitiatorTombstones: ntomb, EventsDropped: e.stats.eventsDropped.Load(),
+		Notifications: e.stats.notifications.Load(),
 		BytesWritten: e.stats.bytesWritten.Load(), BytesRead: e.stats.bytesRead.Load(),
 		TasksCompleted: e.stats.tasksCompleted.Load(), TasksFailed: e.stats.tasksFailed.Load(),
 		TasksCanceled: e.stats.tasksCanceled.Load(), TasksInFlight: e.stats.tasksInFlight.Load(),
 		Retries: e.stats.retries.Load(), OwnerBytesIn: t.BytesIn, OwnerBytesOut: t.BytesOut,
 		OwnerRefused: t.Refused, RefusedInFlight: t.RefusedInFlight, ProtocolErrors: t.ProtocolErrors,
-		ControlDropped: c.Malformed, ControlLate: c.Unmatched, Registrations: e.reg.Len(), OpenSegments: nseg,
+		ControlDropped: c.Malformed + e.stats.controlDropped.Load(), ControlLate: c.Unmatched, Registrations: e.reg.Len(), OpenSegments: nseg,
 	}
 }
 
@@ -251,7 +309,9 @@ func (e *Engine) heartbeats() {
 		select {
 		case <-e.closed:
 			return
-		case <-tick.C:
+		case now := <-tick.C:
+			e.reqs.Sweep(now)
+			e.sweepTombs(now)
 		}
 		e.segMu.Lock()
 		segs := make([]*Segment, 0, len(e.segments))

@@ -23,6 +23,10 @@ var (
 	ErrTransferFailed = errors.New("transfer failed")
 	ErrTimeout        = errors.New("transfer timed out")
 	ErrCanceled       = errors.New("transfer canceled")
+	ErrBusy           = errors.New("peer busy: its event queue is full")
+	// ErrAborted: the owner aborted the transfer's request id (the task
+	// ends ABORTED).
+	ErrAborted = transport.ErrAborted
 
 	// From the memory registry.
 	ErrOverlap       = memory.ErrOverlap

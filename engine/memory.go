@@ -145,7 +145,9 @@ func (e *Engine) FreeBuffer(addr uint64) error {
 }
 
 // Admit checks a peer's (or our own local transport's) access against the
-// registry: the key must be current and the range inside it. It implements
+// registry (the key must be current and the range inside it) and against its
+// request's state (not aborted, inside a grant when it has grants). The
+// guard returned checks both again before each chunk. It implements
 // transport.Owner.
 func (e *Engine) Admit(a transport.Access) (transport.Target, error) {
 	if a.Op != transport.Read && a.Op != transport.Write {
@@ -155,5 +157,12 @@ func (e *Engine) Admit(a transport.Access) (transport.Target, error) {
 	if err != nil {
 		return transport.Target{}, err
 	}
-	return transport.Target{Guard: r, Mem: r.Bytes(a.Addr, a.Length)}, nil
+	if a.RequestID == 0 || e.opts.Testing.UnsafeAbort {
+		return transport.Target{Guard: r, Mem: r.Bytes(a.Addr, a.Length)}, nil
+	}
+	g, err := e.reqs.Admit(&a, r)
+	if err != nil {
+		return transport.Target{}, err
+	}
+	return transport.Target{Guard: g, Mem: r.Bytes(a.Addr, a.Length)}, nil
 }

@@ -24,6 +24,10 @@ import (
 //	IOTimeout          KVFERRY_IO_TIMEOUT_MS        30000
 //	HeartbeatInterval  KVFERRY_HEARTBEAT_MS         1000
 //	HeartbeatMisses    KVFERRY_HEARTBEAT_MISSES     5
+//	AbortDrainTimeout  KVFERRY_ABORT_DRAIN_MS       5000
+//	MaxTombstones      KVFERRY_TOMBSTONES           65536
+//	TombstoneTTL       KVFERRY_TOMBSTONE_TTL_MS     600000 (10 minutes)
+//	EventQueue         KVFERRY_EVENT_QUEUE          4096
 //	LogLevel           KVFERRY_LOG_LEVEL            info (debug, info, warn, error)
 type Options struct {
 	// Host is the address the control plane and the data plane listen
@@ -57,6 +61,25 @@ type Options struct {
 	// in-flight transfers fail.
 	HeartbeatInterval time.Duration
 	HeartbeatMisses   int
+	// AbortDrainTimeout bounds how long this engine, as an initiator told
+	// by an owner to abort a request, waits for the request's slices in
+	// flight to end before it cuts their paths; the ABORT_ACK follows
+	// either way.
+	AbortDrainTimeout time.Duration
+	// MaxTombstones caps the aborted request ids remembered, on each side:
+	// as owner (accesses of them are refused) and as initiator (submits of
+	// them end ABORTED). Past the cap the oldest are forgotten, first those
+	// acknowledged.
+	MaxTombstones int
+	// TombstoneTTL is how long an aborted request id is remembered. An
+	// owner forgets one only once every initiator named acknowledged the
+	// abort (or at the cap).
+	TombstoneTTL time.Duration
+	// EventQueue is how many events (aborts learned, notifications
+	// received) wait for the application. When it is full, notifications
+	// are refused to their sender with ErrBusy (backpressure) and abort
+	// events are dropped and counted (the tasks still end ABORTED).
+	EventQueue int
 	// Logger receives the engine's logs; default: slog's default handler
 	// at LogLevel.
 	Logger *slog.Logger
@@ -67,6 +90,23 @@ type Options struct {
 	Resolver Resolver
 	// IgnoreEnv makes New skip the KVFERRY_* variables.
 	IgnoreEnv bool
+	// Testing holds switches for tests only; never set them in production.
+	Testing Testing
+}
+
+// Testing switches let tests show what the protections prevent. They have
+// no environment variable on purpose.
+type Testing struct {
+	// UnsafeAbort turns the abort protection off, as SGLang's ABORT does
+	// today: as owner, Abort neither refuses the aborted request's
+	// accesses nor waits for copies in progress, and reports Safe once
+	// every initiator acknowledged; as initiator, the ABORT_ACK is sent
+	// when the ABORT is heard, before anything is drained.
+	UnsafeAbort bool
+	// ApplyDelay makes the owner's tcp transport sleep this long after
+	// admitting each WRITE and before applying it, so that frames are
+	// certainly in flight when a test aborts.
+	ApplyDelay time.Duration
 }
 
 // Defaults of Options.
@@ -111,6 +151,7 @@ func (o *Options) applyEnv() error {
 	}{
 		{"KVFERRY_PORT", &o.Port}, {"KVFERRY_SLICE_SIZE", &o.SliceSize}, {"KVFERRY_PATHS_PER_PEER", &o.PathsPerPeer},
 		{"KVFERRY_MAX_RETRIES", &o.MaxRetries}, {"KVFERRY_HEARTBEAT_MISSES", &o.HeartbeatMisses},
+		{"KVFERRY_TOMBSTONES", &o.MaxTombstones}, {"KVFERRY_EVENT_QUEUE", &o.EventQueue},
 	} {
 		if err := num(f.name, f.dst); err != nil {
 			return err
@@ -121,7 +162,8 @@ func (o *Options) applyEnv() error {
 		dst  *time.Duration
 	}{
 		{"KVFERRY_TIMEOUT_MS", &o.DefaultTimeout}, {"KVFERRY_IO_TIMEOUT_MS", &o.IOTimeout},
-		{"KVFERRY_HEARTBEAT_MS", &o.HeartbeatInterval},
+		{"KVFERRY_HEARTBEAT_MS", &o.HeartbeatInterval}, {"KVFERRY_ABORT_DRAIN_MS", &o.AbortDrainTimeout},
+		{"KVFERRY_TOMBSTONE_TTL_MS", &o.TombstoneTTL},
 	} {
 		if err := ms(f.name, f.dst); err != nil {
 			return err
@@ -179,6 +221,17 @@ func (o *Options) fill() error {
 	def(&o.HeartbeatInterval, time.Second)
 	if o.HeartbeatMisses <= 0 {
 		o.HeartbeatMisses = 5
+	}
+	def(&o.AbortDrainTimeout, 5*time.Second)
+	def(&o.TombstoneTTL, 10*time.Minute)
+	if o.MaxTombstones <= 0 {
+		o.MaxTombstones = 1 << 16
+	}
+	if o.EventQueue <= 0 {
+		o.EventQueue = 4096
+	}
+	if o.EventQueue > 1<<20 || o.MaxTombstones > 1<<24 {
+		return fmt.Errorf("event queue %d or tombstones %d too large (at most %d and %d)", o.EventQueue, o.MaxTombstones, 1<<20, 1<<24)
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: o.LogLevel})).With("lib", "kvferry")

@@ -45,14 +45,20 @@ const (
 // MsgType names a control message.
 type MsgType uint8
 
-// Message types. The abort issue adds ABORT, ABORT_ACK and NOTIFY here.
+// Message types. Requests are answered by a reply with the same
+// correlation id; one-way messages (ABORT, ABORT_ACK) are not, and are
+// matched by their bodies instead.
 const (
 	MsgGetDescriptor MsgType = 1 // -> Descriptor
 	MsgDescriptor    MsgType = 2
 	MsgPing          MsgType = 3 // -> Pong
 	MsgPong          MsgType = 4
 	MsgError         MsgType = 5 // a reply whose body is a UTF-8 reason
-	maxMsgType               = MsgError
+	MsgAbort         MsgType = 6 // one-way, owner -> initiator: an AbortMsg
+	MsgAbortAck      MsgType = 7 // one-way, initiator -> owner: an AbortAck
+	MsgNotify        MsgType = 8 // -> NotifyAck; body: a Notification
+	MsgNotifyAck     MsgType = 9
+	maxMsgType               = MsgNotifyAck
 )
 
 func (t MsgType) String() string {
@@ -67,14 +73,25 @@ func (t MsgType) String() string {
 		return "PONG"
 	case MsgError:
 		return "ERROR"
+	case MsgAbort:
+		return "ABORT"
+	case MsgAbortAck:
+		return "ABORT_ACK"
+	case MsgNotify:
+		return "NOTIFY"
+	case MsgNotifyAck:
+		return "NOTIFY_ACK"
 	}
 	return fmt.Sprintf("MsgType(%d)", uint8(t))
 }
 
 // IsReply reports whether t answers a request.
 func (t MsgType) IsReply() bool {
-	return t == MsgDescriptor || t == MsgPong || t == MsgError
+	return t == MsgDescriptor || t == MsgPong || t == MsgError || t == MsgNotifyAck
 }
+
+// IsOneWay reports whether t expects no reply.
+func (t MsgType) IsOneWay() bool { return t == MsgAbort || t == MsgAbortAck }
 
 // FlagZstd marks a compressed body.
 const FlagZstd = 1

@@ -23,7 +23,8 @@ var (
 )
 
 // Handler answers one request from a peer. It runs on the plane's loop
-// goroutine, so it must not block; from is the peer's segment name.
+// goroutine, so it must not block; from is the peer's segment name. For a
+// one-way message type the reply is ignored (return 0, nil).
 type Handler func(from string, body []byte) (reply MsgType, replyBody []byte)
 
 // Stats are the plane's counters.
@@ -42,6 +43,7 @@ type op struct {
 	frames [][]byte
 	corr   uint64
 	close  bool
+	oneway bool // a one-way message: no reply is awaited
 }
 
 type reply struct {
@@ -210,6 +212,25 @@ func (p *Plane) Request(ctx context.Context, peer string, t MsgType, body []byte
 	}
 }
 
+// Send queues a one-way message (t.IsOneWay()) to peer and returns without
+// waiting: delivery is not confirmed, so callers that need it resend until
+// the peer's own one-way answer arrives. The message goes through our ROUTER
+// when the peer has a DEALER connected to us (ROUTER_MANDATORY tells when it
+// has not), else through our DEALER to the peer.
+func (p *Plane) Send(peer string, t MsgType, body []byte) error {
+	if !t.IsOneWay() {
+		return fmt.Errorf("control: send %s: %w: not a one-way message", t, ErrMalformed)
+	}
+	if _, _, err := net.SplitHostPort(peer); err != nil {
+		return fmt.Errorf("control: peer %q: %w", peer, err)
+	}
+	frames := [][]byte{EncodeEnvelope(Envelope{Type: t, Corr: p.corr.Add(1)})}
+	if len(body) > 0 {
+		frames = append(frames, body)
+	}
+	return p.enqueue(op{peer: peer, frames: frames, oneway: true})
+}
+
 // Forget closes the socket to peer; a later Request opens a new one.
 func (p *Plane) Forget(peer string) { _ = p.enqueue(op{peer: peer, close: true}) }
 
@@ -325,8 +346,19 @@ func (p *Plane) loop() {
 				}
 				continue
 			}
+			if o.oneway {
+				parts := append([]any{o.peer}, toParts(o.frames)...)
+				if _, err := p.router.SendMessageDontwait(parts...); err == nil {
+					continue
+				}
+				// Unroutable (the peer has no DEALER to us): go through ours.
+			}
 			if d == nil {
 				if d, err = p.dial(o.peer); err != nil {
+					if o.oneway {
+						p.stats.sendFails.Add(1)
+						continue
+					}
 					p.deliver(o.corr, o.peer, reply{env: Envelope{Type: MsgError}, body: []byte(err.Error())})
 					continue
 				}
@@ -336,6 +368,9 @@ func (p *Plane) loop() {
 			}
 			if _, err := d.SendMessageDontwait(toParts(o.frames)...); err != nil {
 				p.stats.sendFails.Add(1)
+				if o.oneway {
+					continue
+				}
 				p.deliver(o.corr, o.peer, reply{env: Envelope{Type: MsgError}, body: []byte("send: " + err.Error())})
 			}
 		}
@@ -415,6 +450,12 @@ func (p *Plane) drainRouter() {
 			}
 		}
 		h := p.handlers[env.Type]
+		if env.Type.IsOneWay() {
+			if h != nil {
+				h(from, body)
+			}
+			continue
+		}
 		rt, rb := MsgError, []byte(fmt.Sprintf("no handler for %s", env.Type))
 		if h != nil {
 			rt, rb = h(from, body)
@@ -444,8 +485,8 @@ func (p *Plane) drainDealer(d *zmq.Socket, peer string) {
 			continue
 		}
 		env, err := DecodeEnvelope(frames[0])
-		if err == nil && !env.Type.IsReply() {
-			err = fmt.Errorf("%w: %s is not a reply", ErrMalformed, env.Type)
+		if err == nil && !env.Type.IsReply() && !env.Type.IsOneWay() {
+			err = fmt.Errorf("%w: %s is neither a reply nor one-way", ErrMalformed, env.Type)
 		}
 		if err != nil {
 			p.malformed("reply", peer, err)
@@ -457,6 +498,12 @@ func (p *Plane) drainDealer(d *zmq.Socket, peer string) {
 				p.malformed("reply", peer, err)
 				continue
 			}
+		}
+		if env.Type.IsOneWay() {
+			if h := p.handlers[env.Type]; h != nil {
+				h(peer, body)
+			}
+			continue
 		}
 		p.deliver(env.Corr, peer, reply{env: env, body: body})
 	}

@@ -47,6 +47,10 @@ var (
 	ErrCanceled   = errors.New("slice canceled")
 	ErrClosed     = errors.New("transport closed")
 	ErrProtocol   = errors.New("protocol violation")
+	// ErrAborted marks a refusal because the owner aborted the access's
+	// request id (or the access names a generation the owner aborted);
+	// it is always wrapped together with ErrRefused.
+	ErrAborted = errors.New("request aborted by the owner")
 )
 
 // Retryable reports whether a slice that failed with err may be posted again
@@ -191,9 +195,32 @@ type Endpoint interface {
 	Close() error
 }
 
+// OwnerCopier is an optional ability: a transport whose owner-side code
+// copies every byte itself (tcp, local) reports true, so the owner's refusal
+// of an aborted request, checked by Guard.Enter before each chunk, is a
+// fence on its own: Abort needs neither the initiator's ACK nor a Fencer.
+// A transport that lacks it (or reports false) is taken to let hardware
+// write owner memory (rdma).
+type OwnerCopier interface {
+	OwnerCopies() bool
+}
+
 // Fencer is an optional ability of transports whose owner-side memory is
 // written by hardware (RDMA): cut every path from one initiator so that no
-// further access of it executes, without the initiator's help.
+// further access of it executes, without the initiator's help (SAFETY.md,
+// rdma (b): move the responder QPs to the error state, then reconnect). It
+// returns once nothing the initiator posted before the call can still
+// execute.
 type Fencer interface {
 	Fence(ctx context.Context, initiator string) error
+}
+
+// Drainer is an optional ability of endpoints whose slices may still move
+// bytes after the engine saw them end (none do today): Drain returns once
+// every work request posted on the path for requestID has completed or been
+// flushed, so the initiator's ABORT_ACK can mean "drained" (SAFETY.md,
+// rdma (a)). Endpoints that end a slice only after the owner answered it,
+// as tcp and local do, need no Drainer: the engine waits for the slices.
+type Drainer interface {
+	Drain(ctx context.Context, requestID uint64) error
 }

@@ -40,6 +40,10 @@ func New(owner transport.Owner, self string) *Transport {
 // Name returns "local".
 func (t *Transport) Name() string { return "local" }
 
+// OwnerCopies reports true: this engine's own code copies every byte
+// (transport.OwnerCopier).
+func (t *Transport) OwnerCopies() bool { return true }
+
 // Listen does nothing: the local transport serves only its own engine.
 func (t *Transport) Listen(transport.Owner) (string, error) { return "", nil }
 

@@ -189,6 +189,9 @@ func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 		c.answer(&ack, 0)
 		return c.flushIfFull()
 	}
+	if t.opts.ApplyDelay > 0 {
+		time.Sleep(t.opts.ApplyDelay)
+	}
 	landed := 0
 	var refusal error
 	if ahead := c.takeBuffered(len(tgt.Mem)); len(ahead) > 0 {

@@ -39,6 +39,10 @@ type Options struct {
 	UserTimeout time.Duration
 	// Logger receives connection-level events. Default slog.Default().
 	Logger *slog.Logger
+	// ApplyDelay is for tests only: the owner sleeps this long after
+	// admitting each WRITE and before applying its bytes, so that a test
+	// can abort while frames are certainly in flight.
+	ApplyDelay time.Duration
 }
 
 func (o *Options) fill() {
@@ -94,6 +98,10 @@ func New(opts Options) *Transport {
 
 // Name returns "tcp".
 func (t *Transport) Name() string { return "tcp" }
+
+// OwnerCopies reports true: the owner's own code copies every byte, so its
+// refusal is a fence (transport.OwnerCopier).
+func (t *Transport) OwnerCopies() bool { return true }
 
 // Listen starts serving peers' accesses and returns "host:port".
 func (t *Transport) Listen(owner transport.Owner) (string, error) {

@@ -53,7 +53,8 @@ const (
 	statusUnregistered = 3
 	statusRefused      = 4
 	statusBadRequest   = 5
-	maxKnownStatus     = statusBadRequest
+	statusAborted      = 6 // the request id (at this generation) was aborted
+	maxKnownStatus     = statusAborted
 )
 
 // header is a decoded frame header.
@@ -138,6 +139,8 @@ func statusOf(err error) uint32 {
 	switch {
 	case err == nil:
 		return statusOK
+	case errors.Is(err, transport.ErrAborted):
+		return statusAborted
 	case errors.Is(err, memory.ErrStaleKey):
 		return statusStaleKey
 	case errors.Is(err, memory.ErrOutOfBounds):
@@ -164,6 +167,8 @@ func errOf(st uint32) error {
 		return fmt.Errorf("%w: %w", transport.ErrRefused, memory.ErrUnregistered)
 	case statusBadRequest:
 		return fmt.Errorf("%w: %w", transport.ErrRefused, memory.ErrInvalidRange)
+	case statusAborted:
+		return fmt.Errorf("%w: %w", transport.ErrRefused, transport.ErrAborted)
 	}
 	return transport.ErrRefused
 }

@@ -1,0 +1,594 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/requests"
+	"github.com/kvferry/kvferry/engine/transport"
+)
+
+// MaxAbortInitiators caps the initiators one Abort names.
+const MaxAbortInitiators = 1024
+
+// Resending ABORT: the first resend after abortResendFirst, then at twice the
+// interval each time, up to abortResendMax. ZMQ drops messages only when a
+// peer's connection breaks, so resends are rare; the backoff keeps a dead
+// initiator from costing more than a message every abortResendMax.
+const (
+	abortResendFirst = 2 * time.Millisecond
+	abortResendMax   = 200 * time.Millisecond
+	maxOwedAcks      = 8 // ACKs sent at once for duplicate ABORTs heard while draining
+)
+
+// AbortResult is the outcome of Engine.Abort.
+type AbortResult struct {
+	// Safe: no further byte of the request can be written into or read
+	// from this engine's memory, whatever the initiators do next. The
+	// memory may be reused at once.
+	Safe bool
+	// Reason says why the abort is not Safe; nil when it is.
+	Reason error
+	// Generation is the request id's generation after the abort: a later
+	// grant or transfer of the same request id must carry it.
+	Generation uint32
+	// Acked lists the initiators whose ABORT_ACK arrived before Abort
+	// returned. On tcp and local Safe does not wait for them: the ABORT is
+	// resent in the background until every initiator acknowledged or the
+	// deadline passed.
+	Acked []string
+	// BytesConfirmed is the sum of the bytes the acknowledging initiators
+	// confirmed landed: a lower bound.
+	BytesConfirmed uint64
+}
+
+// pendingAbort is an owner's abort waiting for ABORT_ACKs.
+type pendingAbort struct {
+	rid  uint64
+	gen  uint32
+	mu   sync.Mutex
+	wait map[string]bool // initiators yet to acknowledge
+	// drainedOnly: count only ACKs that promise a drain (the fence rests
+	// on them); otherwise any ACK ends the wait.
+	drainedOnly bool
+	acked       []string
+	landed      uint64
+	done        chan struct{} // closed when wait is empty
+}
+
+type abortKey struct {
+	rid uint64
+	gen uint32
+}
+
+// Abort aborts requestID, as the owner of the memory its transfers touch:
+// from now on every access of it (at its current generation or below) is
+// refused, chunk by chunk, and Abort returns once no copy of it is in
+// progress. It tells each initiator named (segment names) with ABORT,
+// resent until acknowledged or ctx's deadline (DefaultTimeout when ctx has
+// none); they stop the request's transfers, which end ABORTED, and get an
+// EventAborted. With no initiator named, refusal alone stops them.
+//
+// The result is Safe only when no further byte of the request can touch
+// this engine's memory; otherwise it says why not, by the deadline. The
+// error is non-nil only for invalid arguments or a closed engine.
+func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []string) (AbortResult, error) {
+	if err := e.checkOpen(); err != nil {
+		return AbortResult{}, err
+	}
+	if requestID == 0 {
+		return AbortResult{}, fmt.Errorf("abort: %w: request id 0 names no request", ErrInvalidArg)
+	}
+	if len(initiators) > MaxAbortInitiators {
+		return AbortResult{}, fmt.Errorf("abort: %w: %d initiators (at most %d)", ErrInvalidArg, len(initiators), MaxAbortInitiators)
+	}
+	wait := make(map[string]bool, len(initiators))
+	for _, name := range initiators {
+		if _, _, err := net.SplitHostPort(name); err != nil || len(name) > maxSegmentName {
+			return AbortResult{}, fmt.Errorf("abort: %w: initiator %q is not a segment name (host:port)", ErrInvalidArg, name)
+		}
+		wait[name] = true
+	}
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		deadline = time.Now().Add(e.opts.DefaultTimeout)
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, deadline)
+		defer cancel()
+	}
+	unsafe := e.opts.Testing.UnsafeAbort
+
+	var gen uint32
+	var inProgress <-chan struct{}
+	if unsafe {
+		gen = e.reqs.Generation(requestID) + 1
+	} else {
+		var err error
+		gen, inProgress, err = e.reqs.Abort(requestID, len(wait) == 0)
+		if err != nil {
+			return AbortResult{}, fmt.Errorf("abort: %w", err)
+		}
+	}
+	// The fence needs ACKs only where the owner's code does not copy the
+	// bytes itself (the unsafe test mode pretends that is so everywhere).
+	needAcks := unsafe || !e.ownerCopiesAll()
+	pa := &pendingAbort{rid: requestID, gen: gen, wait: wait, drainedOnly: !unsafe, done: make(chan struct{})}
+	if len(wait) == 0 {
+		close(pa.done)
+	} else {
+		k := abortKey{requestID, gen}
+		e.pendMu.Lock()
+		e.pending[k] = pa
+		e.pendMu.Unlock()
+		msg := control.AbortMsg{RequestID: requestID, Generation: gen}.Encode()
+		for name := range wait {
+			_ = e.plane.Send(name, control.MsgAbort, msg)
+		}
+		e.bg.Add(1)
+		go e.resendAbort(pa, msg, deadline)
+	}
+
+	res := AbortResult{Generation: gen}
+	var reason error
+	if inProgress != nil {
+		select {
+		case <-inProgress:
+		case <-ctx.Done():
+			reason = fmt.Errorf("copies of request %d still in progress at the deadline: %w", requestID, ErrTimeout)
+		}
+	}
+	if reason == nil && needAcks {
+		if len(wait) == 0 && unsafe {
+			reason = fmt.Errorf("no initiator named, so none can acknowledge: %w", ErrUnsupported)
+		} else if !unsafe && len(wait) == 0 {
+			reason = fmt.Errorf("a transport lets hardware write our memory and no initiator is named to drain or fence: %w", ErrUnsupported)
+		} else {
+			select {
+			case <-pa.done:
+			case <-ctx.Done():
+				pa.mu.Lock()
+				missing := make([]string, 0, len(pa.wait))
+				for n := range pa.wait {
+					missing = append(missing, n)
+				}
+				pa.mu.Unlock()
+				reason = fmt.Errorf("no drained ABORT_ACK from %v by the deadline: %w", missing, ErrTimeout)
+			}
+		}
+	}
+	pa.mu.Lock()
+	res.Acked = append([]string(nil), pa.acked...)
+	res.BytesConfirmed = pa.landed
+	pa.mu.Unlock()
+	if reason != nil {
+		res.Reason = fmt.Errorf("abort request %d: not safe: %w", requestID, reason)
+		e.stats.abortsNotSafe.Add(1)
+		e.log.Warn("kvferry: abort not safe", "request", requestID, "err", res.Reason)
+		return res, nil
+	}
+	res.Safe = true
+	e.stats.abortsSafe.Add(1)
+	return res, nil
+}
+
+// maxSegmentName bounds a segment name (a ZMQ routing id holds 255 bytes).
+const maxSegmentName = 255
+
+// ownerCopiesAll reports whether every transport serving peers copies bytes
+// in the owner's own code, so that refusal fences them.
+func (e *Engine) ownerCopiesAll() bool {
+	for _, t := range []transport.Transport{e.tcp, e.local} {
+		if c, ok := t.(transport.OwnerCopier); !ok || !c.OwnerCopies() {
+			return false
+		}
+	}
+	return true
+}
+
+// resendAbort resends ABORT to the initiators that have not acknowledged,
+// with backoff, until all have, the deadline passes or the engine closes.
+// Then the abort stops waiting: a later ACK is unmatched.
+func (e *Engine) resendAbort(pa *pendingAbort, msg []byte, deadline time.Time) {
+	defer e.bg.Done()
+	defer func() {
+		e.pendMu.Lock()
+		delete(e.pending, abortKey{pa.rid, pa.gen})
+		e.pendMu.Unlock()
+	}()
+	interval := abortResendFirst
+	timer := time.NewTimer(interval)
+	defer timer.Stop()
+	for {
+		select {
+		case <-pa.done:
+			return
+		case <-e.closed:
+			return
+		case <-timer.C:
+		}
+		if !time.Now().Before(deadline) {
+			return
+		}
+		pa.mu.Lock()
+		names := make([]string, 0, len(pa.wait))
+		for n := range pa.wait {
+			names = append(names, n)
+		}
+		pa.mu.Unlock()
+		for _, n := range names {
+			_ = e.plane.Send(n, control.MsgAbort, msg)
+			e.stats.abortResends.Add(1)
+		}
+		interval = min(2*interval, abortResendMax)
+		timer.Reset(min(interval, time.Until(deadline)+time.Millisecond))
+	}
+}
+
+// handleAbortAck takes an initiator's ABORT_ACK (on the plane's loop).
+func (e *Engine) handleAbortAck(from string, body []byte) (control.MsgType, []byte) {
+	m, err := control.DecodeAbortAck(body)
+	if err != nil {
+		e.controlMalformed("ABORT_ACK", from, err)
+		return 0, nil
+	}
+	e.pendMu.Lock()
+	pa := e.pending[abortKey{m.RequestID, m.Generation}]
+	e.pendMu.Unlock()
+	if pa == nil {
+		e.stats.acksUnmatched.Add(1)
+		return 0, nil
+	}
+	pa.mu.Lock()
+	if !pa.wait[from] || (pa.drainedOnly && m.Outcome != control.AckDrained && e.needDrainedAcks()) {
+		// A duplicate, an initiator not named, or an ACK that promises
+		// less than the fence needs: the ABORT is resent.
+		pa.mu.Unlock()
+		e.stats.acksUnmatched.Add(1)
+		return 0, nil
+	}
+	delete(pa.wait, from)
+	pa.acked = append(pa.acked, from)
+	pa.landed += m.Landed
+	all := len(pa.wait) == 0
+	if all {
+		close(pa.done)
+	}
+	pa.mu.Unlock()
+	e.stats.abortAcks.Add(1)
+	if all && !e.opts.Testing.UnsafeAbort {
+		e.reqs.Acked(pa.rid, pa.gen)
+	}
+	return 0, nil
+}
+
+// needDrainedAcks reports whether ACKs must promise a drain: only where the
+// fence rests on them. Where refusal fences, an ACK after a cut path is as
+// good as any for learning that the initiator stopped.
+func (e *Engine) needDrainedAcks() bool { return !e.ownerCopiesAll() }
+
+func (e *Engine) controlMalformed(what, from string, err error) {
+	e.stats.controlDropped.Add(1)
+	e.log.Warn("kvferry: dropped malformed "+what, "peer", from, "err", err)
+}
+
+// ---- initiator side --------------------------------------------------------
+
+// tombKey names a request id aborted by one owner.
+type tombKey struct {
+	owner string
+	rid   uint64
+}
+
+// tombstone remembers, as initiator, that an owner aborted a request: a
+// transfer of it to that owner below minGen ends ABORTED.
+type tombstone struct {
+	minGen  uint32
+	at      time.Time
+	drained bool // the drain for minGen finished; outcome and landed are set
+	outcome control.AckOutcome
+	landed  uint64
+	owed    int // ABORTs heard while draining, each answered after it
+}
+
+// handleAbort takes an owner's ABORT (on the plane's loop, so it must not
+// block): it records the tombstone, so a submit from now on ends ABORTED,
+// and drains the request's transfers to that owner in a goroutine, which
+// answers with ABORT_ACK.
+func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte) {
+	m, err := control.DecodeAbortMsg(body)
+	if err != nil {
+		e.controlMalformed("ABORT", from, err)
+		return 0, nil
+	}
+	e.stats.abortsReceived.Add(1)
+	if e.opts.Testing.UnsafeAbort {
+		// "Heard" is all this ACK means: SGLang's ABORT_ACK.
+		e.sendAck(from, control.AbortAck{RequestID: m.RequestID, Generation: m.Generation, Outcome: control.AckHeard}, 1)
+	}
+	k := tombKey{from, m.RequestID}
+	e.abortMu.Lock()
+	tb := e.tombs[k]
+	if tb != nil && tb.minGen >= m.Generation {
+		// A duplicate (or an older ABORT): answer it once drained.
+		var ack control.AbortAck
+		drained := tb.drained
+		if drained {
+			ack = control.AbortAck{RequestID: m.RequestID, Generation: tb.minGen, Outcome: tb.outcome, Landed: tb.landed}
+		} else {
+			tb.owed++
+		}
+		e.abortMu.Unlock()
+		if drained && !e.opts.Testing.UnsafeAbort {
+			e.sendAck(from, ack, 1)
+		}
+		return 0, nil
+	}
+	if tb == nil {
+		tb = &tombstone{}
+		e.tombs[k] = tb
+		e.tombQueue = append(e.tombQueue, k)
+		e.trimTombsLocked()
+	}
+	tb.minGen, tb.at, tb.drained, tb.owed = m.Generation, time.Now(), false, 1
+	e.hasTombs.Store(true)
+	tasks := e.tasksOfLocked(from, m.RequestID, m.Generation)
+	e.abortMu.Unlock()
+
+	e.emit(Event{Kind: EventAborted, Peer: from, RequestID: m.RequestID, Generation: m.Generation})
+	e.bg.Add(1)
+	go e.drain(k, m.Generation, tasks)
+	return 0, nil
+}
+
+// tasksOfLocked returns the tasks in flight of request rid to owner below
+// generation gen. Called with abortMu held, which Submit holds (shared)
+// from its tombstone check until its tasks are listed in their batch: a
+// task is either found here or sees the tombstone.
+func (e *Engine) tasksOfLocked(owner string, rid uint64, gen uint32) []*task {
+	e.liveMu.Lock()
+	batches := make([]*Batch, 0, len(e.live))
+	for b := range e.live {
+		batches = append(batches, b)
+	}
+	e.liveMu.Unlock()
+	var out []*task
+	for _, b := range batches {
+		b.mu.Lock()
+		for _, t := range b.tasks {
+			if t.req.RequestID == rid && t.req.Generation < gen && t.req.Segment.name == owner &&
+				!TaskStatus(t.status.Load()).Final() {
+				out = append(out, t)
+			}
+		}
+		if len(out) > 0 {
+			b.tainted.Store(true) // records stay out of the pool while we hold them
+		}
+		b.mu.Unlock()
+	}
+	return out
+}
+
+// drain stops the tasks of an aborted request: queued slices are dropped,
+// slices on the wire or being copied are waited for (their owner answers or
+// refuses them), up to AbortDrainTimeout, after which their paths are cut.
+// Then it sends the ABORT_ACKs owed.
+func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
+	defer e.bg.Done()
+	for _, t := range tasks {
+		t.abort()
+	}
+	outcome := control.AckDrained
+	if !e.waitFinal(tasks, time.Now().Add(e.opts.AbortDrainTimeout)) {
+		outcome = control.AckCut
+		cut := map[*pathRef]struct{}{}
+		for _, t := range tasks {
+			t.collectPaths(cut)
+		}
+		for ref := range cut {
+			ref.ep.Abort(fmt.Errorf("%w: %w", transport.ErrCanceled, ErrAborted))
+		}
+		e.waitFinal(tasks, time.Now().Add(e.opts.AbortDrainTimeout))
+	}
+	var landed uint64
+	for _, t := range tasks {
+		landed += t.transferred.Load()
+	}
+	e.abortMu.Lock()
+	tb := e.tombs[k]
+	owed := 0
+	if tb != nil && tb.minGen == gen {
+		tb.drained, tb.outcome, tb.landed = true, outcome, landed
+		owed, tb.owed = tb.owed, 0
+	}
+	e.abortMu.Unlock()
+	if !e.opts.Testing.UnsafeAbort && owed > 0 {
+		e.sendAck(k.owner, control.AbortAck{RequestID: k.rid, Generation: gen, Outcome: outcome, Landed: landed}, owed)
+	}
+}
+
+func (e *Engine) sendAck(owner string, ack control.AbortAck, n int) {
+	body := ack.Encode()
+	for range min(n, maxOwedAcks) {
+		_ = e.plane.Send(owner, control.MsgAbortAck, body)
+	}
+}
+
+// waitFinal waits until every task is final, the deadline passes or the
+// engine closes; it reports whether all are final. Aborts are rare, so it
+// polls rather than giving every task a channel.
+func (e *Engine) waitFinal(tasks []*task, deadline time.Time) bool {
+	sleep := 20 * time.Microsecond
+	for {
+		all := true
+		for _, t := range tasks {
+			if !TaskStatus(t.status.Load()).Final() {
+				all = false
+				break
+			}
+		}
+		if all {
+			return true
+		}
+		if !time.Now().Before(deadline) {
+			return false
+		}
+		select {
+		case <-e.closed:
+			return false
+		case <-time.After(sleep):
+		}
+		sleep = min(2*sleep, 2*time.Millisecond)
+	}
+}
+
+// abort marks the task ABORTED and drops its queued slices; slices on the
+// wire or being copied end on their own (the owner answers or refuses
+// them).
+func (t *task) abort() {
+	if TaskStatus(t.status.Load()).Final() {
+		return
+	}
+	t.final.CompareAndSwap(0, int32(Aborted))
+	for i := range t.slices {
+		s := &t.slices[i]
+		if s.Advance(transport.StateQueued, transport.StateCanceled) {
+			t.sliceEnded(s, transport.ErrCanceled)
+		}
+	}
+}
+
+// collectPaths adds the paths of the task's slices not yet ended.
+func (t *task) collectPaths(cut map[*pathRef]struct{}) {
+	for i := range t.slices {
+		s := &t.slices[i]
+		if st := s.State(); st != transport.StateDone && st != transport.StateCanceled {
+			if ref := s.path.Load(); ref != nil {
+				cut[ref] = struct{}{}
+			}
+		}
+	}
+}
+
+// learnAbort records an abort learned from an owner's refusal (its ABORT
+// may have been lost, or sent while we were paused) and tells the
+// application, once per request and generation.
+func (e *Engine) learnAbort(owner string, rid uint64, refusedGen uint32) {
+	if rid == 0 {
+		return
+	}
+	k := tombKey{owner, rid}
+	gen := refusedGen + 1
+	e.abortMu.Lock()
+	tb := e.tombs[k]
+	if tb != nil && tb.minGen >= gen {
+		e.abortMu.Unlock()
+		return
+	}
+	if tb == nil {
+		tb = &tombstone{}
+		e.tombs[k] = tb
+		e.tombQueue = append(e.tombQueue, k)
+		e.trimTombsLocked()
+	}
+	// Nothing owed: the owner did not ask; its refusal is the fence.
+	tb.minGen, tb.at, tb.drained, tb.outcome = gen, time.Now(), true, control.AckDrained
+	e.hasTombs.Store(true)
+	e.abortMu.Unlock()
+	e.emit(Event{Kind: EventAborted, Peer: owner, RequestID: rid, Generation: gen})
+}
+
+// trimTombsLocked forgets the oldest initiator tombstones past the cap.
+func (e *Engine) trimTombsLocked() {
+	for len(e.tombs) > e.opts.MaxTombstones && len(e.tombQueue) > 0 {
+		delete(e.tombs, e.tombQueue[0])
+		e.tombQueue = e.tombQueue[1:]
+	}
+}
+
+// sweepTombs forgets initiator tombstones older than TombstoneTTL whose
+// drain finished.
+func (e *Engine) sweepTombs(now time.Time) {
+	e.abortMu.Lock()
+	defer e.abortMu.Unlock()
+	i := 0
+	for ; i < len(e.tombQueue); i++ {
+		k := e.tombQueue[i]
+		tb := e.tombs[k]
+		if tb == nil {
+			continue
+		}
+		if now.Sub(tb.at) < e.opts.TombstoneTTL || !tb.drained {
+			break
+		}
+		delete(e.tombs, k)
+	}
+	e.tombQueue = e.tombQueue[i:]
+	if len(e.tombs) == 0 {
+		e.hasTombs.Store(false)
+		e.tombQueue = nil
+	}
+}
+
+// abortedAt reports whether a transfer of rid at gen to owner was aborted.
+// Called with abortMu held (shared).
+func (e *Engine) abortedLocked(owner string, rid uint64, gen uint32) bool {
+	tb := e.tombs[tombKey{owner, rid}]
+	return tb != nil && gen < tb.minGen
+}
+
+// ---- grants -----------------------------------------------------------------
+
+// GrantRange is an owner address range of a grant.
+type GrantRange = requests.Range
+
+// Grant is a live grant, from Engine.Grant.
+type Grant = requests.Grant
+
+// Grant lets initiator (a segment name) access ranges of this engine's
+// memory for requestID. From a request id's first grant on, every access of
+// it must fall inside a live grant of its initiator and carry the grant's
+// generation; without grants a registered range is open to every peer.
+func (e *Engine) Grant(initiator string, requestID uint64, ranges []GrantRange) (Grant, error) {
+	if err := e.checkOpen(); err != nil {
+		return Grant{}, err
+	}
+	if _, _, err := net.SplitHostPort(initiator); err != nil || len(initiator) > maxSegmentName {
+		return Grant{}, fmt.Errorf("grant: %w: initiator %q is not a segment name (host:port)", ErrInvalidArg, initiator)
+	}
+	g, err := e.reqs.Grant(initiator, requestID, ranges)
+	if err != nil {
+		return Grant{}, fmt.Errorf("%w", err)
+	}
+	return g, nil
+}
+
+// Revoke withdraws a grant: accesses under it are refused from now on, and
+// Revoke returns once none is in progress, or with ErrTimeout at ctx's
+// deadline (the grant stays withdrawn).
+func (e *Engine) Revoke(ctx context.Context, grantID uint64) error {
+	if err := e.checkOpen(); err != nil {
+		return err
+	}
+	wait, err := e.reqs.Revoke(grantID)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidArg, err)
+	}
+	if wait == nil {
+		return nil
+	}
+	select {
+	case <-wait:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("revoke grant %d: copies still in progress: %w: %w", grantID, ErrTimeout, ctx.Err())
+	}
+}
+
+// isAbortRefusal reports whether a slice failed because the owner aborted
+// its request.
+func isAbortRefusal(err error) bool { return errors.Is(err, transport.ErrAborted) }

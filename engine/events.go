@@ -1,0 +1,222 @@
+package engine
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvferry/kvferry/engine/control"
+)
+
+// EventKind says what an Event reports.
+type EventKind int
+
+// The event kinds.
+const (
+	// EventAborted: an owner aborted RequestID (below Generation); our
+	// transfers of it to Peer end ABORTED, and new ones do at once.
+	EventAborted EventKind = 1
+	// EventNotify: Peer sent Data about RequestID with Notify.
+	EventNotify EventKind = 2
+)
+
+func (k EventKind) String() string {
+	switch k {
+	case EventAborted:
+		return "ABORTED"
+	case EventNotify:
+		return "NOTIFY"
+	}
+	return fmt.Sprintf("EventKind(%d)", int(k))
+}
+
+// Event is something the application should learn of.
+type Event struct {
+	Kind       EventKind
+	Peer       string // the peer's segment name
+	RequestID  uint64
+	Generation uint32 // EventAborted: the request's generation after the abort
+	Data       []byte // EventNotify: the payload, at most MaxNotifyData bytes
+}
+
+// MaxNotifyData caps a notification's payload (the C API's
+// KVF_EVENT_DATA_MAX).
+const MaxNotifyData = control.MaxNotifyData
+
+// Events returns the channel events arrive on, in order, at most
+// Options.EventQueue waiting. It is closed by Close.
+func (e *Engine) Events() <-chan Event { return e.events }
+
+// EventFD returns a file descriptor (an eventfd) that is readable while
+// events may be waiting, for event loops (epoll, asyncio) that cannot wait
+// on a channel. Reading it is the caller's business only through
+// TakeEvents, which resets it; do not close it: Close does.
+func (e *Engine) EventFD() (int, error) {
+	if err := e.checkOpen(); err != nil {
+		return -1, err
+	}
+	e.evMu.Lock()
+	defer e.evMu.Unlock()
+	if e.efd < 0 {
+		fd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+		if err != nil {
+			return -1, fmt.Errorf("event fd: %w", err)
+		}
+		e.efd = fd
+		if len(e.events) > 0 {
+			e.signalLocked()
+		}
+	}
+	return e.efd, nil
+}
+
+// TakeEvents moves up to len(out) waiting events into out without blocking,
+// or, when none waits, waits for the first until ctx ends, and returns how
+// many it took. It resets the EventFD when it leaves none waiting.
+func (e *Engine) TakeEvents(ctx context.Context, out []Event) (int, error) {
+	if len(out) == 0 {
+		return 0, nil
+	}
+	n := 0
+	e.evMu.Lock()
+	e.clearLocked()
+	e.evMu.Unlock()
+	if len(e.events) == 0 {
+		select {
+		case ev, ok := <-e.events:
+			if !ok {
+				return 0, ErrClosed
+			}
+			out[0] = ev
+			n = 1
+		case <-ctx.Done():
+			return 0, nil
+		}
+	}
+more:
+	for n < len(out) {
+		select {
+		case ev, ok := <-e.events:
+			if !ok {
+				return n, nil
+			}
+			out[n] = ev
+			n++
+		default:
+			break more
+		}
+	}
+	e.evMu.Lock()
+	if len(e.events) > 0 {
+		e.signalLocked() // left some: stay readable
+	}
+	e.evMu.Unlock()
+	return n, nil
+}
+
+// emit queues an event without blocking; it reports false when the queue
+// is full (the event is dropped and counted) or closed.
+func (e *Engine) emit(ev Event) bool {
+	e.evMu.Lock()
+	defer e.evMu.Unlock()
+	if e.evClosed {
+		return false
+	}
+	select {
+	case e.events <- ev:
+		e.signalLocked()
+		return true
+	default:
+		e.stats.eventsDropped.Add(1)
+		return false
+	}
+}
+
+func (e *Engine) signalLocked() {
+	if e.efd >= 0 {
+		var one [8]byte
+		binary.NativeEndian.PutUint64(one[:], 1)
+		_, _ = unix.Write(e.efd, one[:])
+	}
+}
+
+func (e *Engine) clearLocked() {
+	if e.efd >= 0 {
+		var b [8]byte
+		_, _ = unix.Read(e.efd, b[:])
+	}
+}
+
+// closeEvents closes the channel and the event fd; emit is a no-op after.
+func (e *Engine) closeEvents() {
+	e.evMu.Lock()
+	defer e.evMu.Unlock()
+	if e.evClosed {
+		return
+	}
+	e.evClosed = true
+	close(e.events)
+	if e.efd >= 0 {
+		_ = unix.Close(e.efd)
+		e.efd = -1
+	}
+}
+
+// Notify sends a small message (at most MaxNotifyData bytes) about
+// requestID to the segment's engine, which gets it as an EventNotify. It
+// returns once the peer queued it, or ErrBusy when the peer's event queue is
+// full (backpressure: try again later), or at ctx's deadline (DefaultTimeout
+// when ctx has none). A notification sent after a WRITE completed arrives
+// after that WRITE's bytes are visible at the peer: a WRITE completes only
+// once the owner applied it.
+func (e *Engine) Notify(ctx context.Context, seg *Segment, requestID uint64, data []byte) error {
+	if err := e.checkOpen(); err != nil {
+		return err
+	}
+	if seg == nil || seg.e != e {
+		return fmt.Errorf("notify: %w: segment is not open on this engine", ErrInvalidArg)
+	}
+	if len(data) > MaxNotifyData {
+		return fmt.Errorf("notify: %w: %d bytes of data (at most %d)", ErrInvalidArg, len(data), MaxNotifyData)
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, e.opts.DefaultTimeout)
+		defer cancel()
+	}
+	body := control.Notification{RequestID: requestID, Data: data}.Encode()
+	t, reply, err := e.plane.Request(ctx, seg.name, control.MsgNotify, body)
+	if err != nil {
+		return fmt.Errorf("notify %s: %w", seg.name, err)
+	}
+	if t != control.MsgNotifyAck || len(reply) != 1 {
+		return fmt.Errorf("notify %s: %w: answered %s with %d bytes", seg.name, control.ErrMalformed, t, len(reply))
+	}
+	if reply[0] != notifyQueued {
+		return fmt.Errorf("notify %s: %w", seg.name, ErrBusy)
+	}
+	return nil
+}
+
+// NOTIFY_ACK bodies: one byte.
+const (
+	notifyQueued = 0
+	notifyBusy   = 1
+)
+
+// handleNotify queues a peer's notification as an event (on the plane's
+// loop).
+func (e *Engine) handleNotify(from string, body []byte) (control.MsgType, []byte) {
+	n, err := control.DecodeNotification(body)
+	if err != nil {
+		e.controlMalformed("NOTIFY", from, err)
+		return control.MsgError, []byte(err.Error())
+	}
+	if !e.emit(Event{Kind: EventNotify, Peer: from, RequestID: n.RequestID, Data: n.Data}) {
+		return control.MsgNotifyAck, []byte{notifyBusy}
+	}
+	e.stats.notifications.Add(1)
+	return control.MsgNotifyAck, []byte{notifyQueued}
+}
