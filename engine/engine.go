@@ -290,7 +290,7 @@ func (e *Engine) Stats() Stats {
 		AbortsReceived: e.stats.abortsReceived.Load(), TasksAborted: e.stats.tasksAborted.Load(),
 		InitiatorTombstones: ntomb, EventsDropped: e.stats.eventsDropped.Load(),
 		Notifications: e.stats.notifications.Load(),
-		BytesWritten: e.stats.bytesWritten.Load(), BytesRead: e.stats.bytesRead.Load(),
+		BytesWritten:  e.stats.bytesWritten.Load(), BytesRead: e.stats.bytesRead.Load(),
 		TasksCompleted: e.stats.tasksCompleted.Load(), TasksFailed: e.stats.tasksFailed.Load(),
 		TasksCanceled: e.stats.tasksCanceled.Load(), TasksInFlight: e.stats.tasksInFlight.Load(),
 		Retries: e.stats.retries.Load(), OwnerBytesIn: t.BytesIn, OwnerBytesOut: t.BytesOut,
