@@ -61,11 +61,6 @@ void kvfi_set_error(const char *msg, size_t len) {
     b[len] = 0;
 }
 
-static kvf_status kvfi_fail(kvf_status code, const char *msg) {
-    kvfi_set_error(msg, strlen(msg));
-    return code;
-}
-
 const char *kvf_last_error(void) { return kvfi_err != NULL ? kvfi_err : ""; }
 
 /* ---- version and strings ---------------------------------------------- */
@@ -226,36 +221,29 @@ kvf_status kvf_transfer_sync(kvf_engine engine, const kvf_request *reqs, size_t 
     return (kvf_status)kvfgo_transfer_sync(H(engine), (kvf_request *)reqs, n, timeout_ms, out);
 }
 
-/* ---- safe abort, grants, events: not in this version -------------------- */
+/* ---- safe abort, grants, notifications, events -------------------------- */
 
 kvf_status kvf_abort(kvf_engine engine, uint64_t request_id, const char *const *initiators, size_t n,
                      int timeout_ms, kvf_abort_result *out) {
-    (void)engine, (void)request_id, (void)initiators, (void)n, (void)timeout_ms, (void)out;
-    return kvfi_fail(KVF_ERR_UNSUPPORTED, "kvf_abort: not implemented in kvferry " KVF_VERSION_STRING
-                                          " (arrives with safe abort)");
+    return (kvf_status)kvfgo_abort(H(engine), request_id, (char **)initiators, n, timeout_ms, out);
 }
 
 kvf_status kvf_grant(kvf_engine engine, const char *initiator, uint64_t request_id,
                      const kvf_grant_range *ranges, size_t n, uint64_t *grant_id) {
-    (void)engine, (void)initiator, (void)request_id, (void)ranges, (void)n, (void)grant_id;
-    return kvfi_fail(KVF_ERR_UNSUPPORTED, "kvf_grant: not implemented in kvferry " KVF_VERSION_STRING
-                                          " (arrives with safe abort)");
+    return (kvf_status)kvfgo_grant(H(engine), (char *)initiator, request_id, (kvf_grant_range *)ranges, n,
+                                   grant_id);
 }
 
 kvf_status kvf_revoke(kvf_engine engine, uint64_t grant_id, int timeout_ms) {
-    (void)engine, (void)grant_id, (void)timeout_ms;
-    return kvfi_fail(KVF_ERR_UNSUPPORTED, "kvf_revoke: not implemented in kvferry " KVF_VERSION_STRING
-                                          " (arrives with safe abort)");
+    return (kvf_status)kvfgo_revoke(H(engine), grant_id, timeout_ms);
 }
 
 kvf_status kvf_notify(kvf_segment segment, uint64_t request_id, const void *data, size_t len) {
-    (void)segment, (void)request_id, (void)data, (void)len;
-    return kvfi_fail(KVF_ERR_UNSUPPORTED, "kvf_notify: not implemented in kvferry " KVF_VERSION_STRING
-                                          " (arrives with safe abort)");
+    return (kvf_status)kvfgo_notify(H(segment), request_id, (void *)data, len);
 }
 
 kvf_status kvf_poll_events(kvf_engine engine, kvf_event *out, size_t cap, size_t *n_out, int timeout_ms) {
-    (void)engine, (void)out, (void)cap, (void)n_out, (void)timeout_ms;
-    return kvfi_fail(KVF_ERR_UNSUPPORTED, "kvf_poll_events: not implemented in kvferry " KVF_VERSION_STRING
-                                          " (arrives with safe abort)");
+    return (kvf_status)kvfgo_poll_events(H(engine), out, cap, n_out, timeout_ms);
 }
+
+kvf_status kvf_event_fd(kvf_engine engine, int *fd) { return (kvf_status)kvfgo_event_fd(H(engine), fd); }

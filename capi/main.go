@@ -100,13 +100,15 @@ func codeOf(err error) C.int {
 		return errRemoteRange
 	case is(engine.ErrNotRegistered, memory.ErrUnregistered):
 		return errNotRegistered
+	case is(engine.ErrAborted):
+		return errAborted
 	case is(engine.ErrRefused):
 		return errRefused
 	case is(engine.ErrOutOfBounds):
 		return errRemoteRange
 	case is(engine.ErrBatchFull):
 		return errBatchFull
-	case is(engine.ErrBatchBusy):
+	case is(engine.ErrBatchBusy, engine.ErrBusy):
 		return errBusy
 	case is(engine.ErrUnsupported):
 		return errUnsupported

@@ -57,12 +57,12 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define KVF_VERSION_MAJOR 0
-#define KVF_VERSION_MINOR 1
+#define KVF_VERSION_MINOR 2
 #define KVF_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, as zstd's ZSTD_VERSION_NUMBER. */
 #define KVF_VERSION_NUMBER \
     (KVF_VERSION_MAJOR * 10000 + KVF_VERSION_MINOR * 100 + KVF_VERSION_PATCH)
-#define KVF_VERSION_STRING "0.1.0"
+#define KVF_VERSION_STRING "0.2.0"
 
 /* The library's KVF_VERSION_NUMBER, to check that header and library agree
  * (the major version must match; a library at least as new as the header is
@@ -227,6 +227,15 @@ typedef struct kvf_stats {
     uint64_t control_late;     /* control replies that matched no request */
     uint64_t registrations;    /* registered ranges */
     uint64_t open_segments;
+    /* Since 0.2 (filled when struct_size covers them). */
+    uint64_t aborts_safe;      /* kvf_abort calls that reported safe */
+    uint64_t aborts_not_safe;  /* kvf_abort calls that did not */
+    uint64_t abort_acks;       /* ABORT_ACKs that completed an initiator's part */
+    uint64_t acks_unmatched;   /* ABORT_ACKs dropped: late, duplicate, unknown */
+    uint64_t aborts_received;  /* ABORTs received as initiator (duplicates too) */
+    uint64_t tasks_aborted;    /* our tasks that ended ABORTED */
+    uint64_t tombstones;       /* aborted request ids remembered as owner */
+    uint64_t events_dropped;   /* events dropped because the queue was full */
 } kvf_stats;
 
 /* Fills *out (struct_size set by the caller, at least 8). Never blocks. */
@@ -407,10 +416,17 @@ kvf_status kvf_transfer_sync(kvf_engine engine, const kvf_request *reqs, size_t 
                              kvf_task_status *out);
 
 /* ------------------------------------------------------------------------ */
-/* Safe abort, grants and events (the safe-abort issue)                      */
+/* Safe abort, grants, notifications and events                            */
 /* ------------------------------------------------------------------------ */
-/* Declared now so that the ABI is fixed; in this version every one of these
- * returns KVF_ERR_UNSUPPORTED without touching its outputs. */
+/* The promises these functions keep are kvferry's abort contract (SAFETY.md
+ * in the project's docs): a safe abort means no further byte of the request
+ * can be written into or read from our memory, whatever the initiators do
+ * next (slow, paused, crashed, partitioned, retrying).
+ *
+ * Generations: the owner keeps a generation per request id, 0 at first and
+ * bumped by each abort; accesses below it are refused. kvf_request carries no
+ * generation in this ABI version, so from C a request id once aborted cannot
+ * be used again: take a new one (as SGLang's bootstrap rooms are). */
 
 /* Outcome of kvf_abort. */
 typedef struct kvf_abort_result {
@@ -418,14 +434,23 @@ typedef struct kvf_abort_result {
     uint32_t safe;            /* 1: no further byte of the request can touch our
                                  memory; 0: not safe (reason in kvf_last_error) */
     uint64_t generation;      /* the request id's generation after the abort */
-    uint64_t bytes_confirmed; /* lower bound of the bytes that landed */
+    uint64_t bytes_confirmed; /* lower bound of the bytes that landed, from the
+                                 initiators' ABORT_ACKs received by the return */
 } kvf_abort_result;
 
-/* Owner side: aborts request_id for the n initiators named (segment names;
- * n == 0: every initiator). Reports safe only when no further byte of the
- * request can be written into or read from our memory, whatever the
- * initiators do next; returns by timeout_ms. After a safe abort the memory
- * may be reused at once. */
+/* Owner side: aborts request_id for the n initiators named (their segment
+ * names; n == 0: name none, refusal alone stops every initiator). From the
+ * call on, every access of the request (writes into our memory, reads served
+ * from it) is refused chunk by chunk; the call returns once no copy of it is
+ * in progress, which on tcp does not wait for the initiators. Each named
+ * initiator is sent ABORT, resent until it answers ABORT_ACK or timeout_ms
+ * passes; its transfers of the request end KVF_TASK_ABORTED and it gets a
+ * KVF_EVENT_ABORTED event.
+ * Returns KVF_OK with out->safe = 1, or, when safety could not be reached by
+ * timeout_ms (> 0, or KVF_TIMEOUT_DEFAULT), out->safe = 0 and an error
+ * (KVF_ERR_TIMEOUT, ...) whose kvf_last_error says why. Returns by the
+ * deadline plus one copy chunk. After a safe abort the memory may be reused
+ * at once. request_id 0 is KVF_ERR_INVALID. */
 kvf_status kvf_abort(kvf_engine engine, uint64_t request_id, const char *const *initiators, size_t n,
                      int timeout_ms, kvf_abort_result *out);
 
@@ -434,17 +459,28 @@ typedef struct kvf_grant_range {
     uint64_t len;
 } kvf_grant_range;
 
-/* Owner side: lets initiator access only ranges[0..n) for request_id (an
- * access outside a grant is refused). *grant_id receives the grant's id. */
+/* Owner side: lets initiator (a segment name) access ranges[0..n) (n at most
+ * 4096) of our registered memory for request_id. From a request id's first
+ * grant on, every access of it must fall inside a live grant of its
+ * initiator, or it is refused (KVF_ERR_REFUSED at the initiator); without
+ * grants a registered range is open to every peer. *grant_id receives the
+ * grant's id. Never blocks. */
 kvf_status kvf_grant(kvf_engine engine, const char *initiator, uint64_t request_id,
                      const kvf_grant_range *ranges, size_t n, uint64_t *grant_id);
 
-/* Owner side: withdraws a grant; returns like kvf_abort once no access under
- * it is in progress. */
+/* Owner side: withdraws a grant: accesses under it are refused from now on.
+ * Returns once no copy of its request is in progress, or KVF_ERR_TIMEOUT at
+ * timeout_ms (the grant stays withdrawn). An unknown grant_id is
+ * KVF_ERR_INVALID. */
 kvf_status kvf_revoke(kvf_engine engine, uint64_t grant_id, int timeout_ms);
 
-/* Sends a small message (at most KVF_EVENT_DATA_MAX bytes) about request_id
- * to the segment's engine, delivered as a KVF_EVENT_NOTIFY event. */
+/* Sends a small message (at most KVF_EVENT_DATA_MAX bytes; len 0 allowed)
+ * about request_id to the segment's engine, which gets it as a
+ * KVF_EVENT_NOTIFY event. Returns once the peer queued it; KVF_ERR_BUSY when
+ * the peer's event queue is full (backpressure: retry later);
+ * KVF_ERR_UNREACHABLE after the engine's default timeout. A notification
+ * sent after a WRITE completed arrives after that WRITE's bytes are visible
+ * at the peer. */
 kvf_status kvf_notify(kvf_segment segment, uint64_t request_id, const void *data, size_t len);
 
 #define KVF_EVENT_DATA_MAX 64
@@ -452,8 +488,9 @@ kvf_status kvf_notify(kvf_segment segment, uint64_t request_id, const void *data
 
 typedef enum kvf_event_type {
     KVF_EVENT_NONE = 0,
-    KVF_EVENT_ABORTED = 1, /* an owner aborted request_id: our transfers of it
-                              end ABORTED */
+    KVF_EVENT_ABORTED = 1, /* an owner (peer) aborted request_id below
+                              generation: our transfers of it to that owner
+                              end ABORTED, now and later */
     KVF_EVENT_NOTIFY = 2   /* a peer's kvf_notify */
 } kvf_event_type;
 
@@ -466,9 +503,20 @@ typedef struct kvf_event {
     uint8_t data[KVF_EVENT_DATA_MAX];
 } kvf_event;
 
-/* Takes up to cap pending events into out; *n_out receives how many. Waits
- * up to timeout_ms for the first one (0: do not wait). */
+/* Takes up to cap pending events into out (in arrival order); *n_out
+ * receives how many. Waits up to timeout_ms (>= 0) for the first one; 0 does
+ * not wait. *n_out = 0 with KVF_OK means none arrived in time. At most 4096
+ * events wait (KVFERRY_EVENT_QUEUE sets another bound); when they are full, notifications are refused to their senders with
+ * KVF_ERR_BUSY and abort events are dropped (counted in events_dropped; the
+ * tasks still end ABORTED). */
 kvf_status kvf_poll_events(kvf_engine engine, kvf_event *out, size_t cap, size_t *n_out, int timeout_ms);
+
+/* Since 0.2. *fd receives a file descriptor (an eventfd) that polls readable
+ * while events may be pending, for event loops (epoll, asyncio's add_reader).
+ * kvf_poll_events resets it when it leaves no event pending; a spurious
+ * wake-up is possible, a missed one is not. Do not read or close it:
+ * kvf_engine_destroy closes it. */
+kvf_status kvf_event_fd(kvf_engine engine, int *fd);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -330,20 +330,39 @@ static void test_requests(void) {
     free(pm);
 }
 
-static void test_unsupported(void) {
+/* Argument errors of the abort, grant and event calls: each is an error
+ * value with a message, never a crash. */
+static void test_abort_args(void) {
     kvf_engine e = kvft_engine();
     kvf_abort_result ar;
     memset(&ar, 0, sizeof ar);
     ar.struct_size = sizeof ar;
-    EXPECT_ERR(kvf_abort(e, 1, NULL, 0, 1000, &ar), KVF_ERR_UNSUPPORTED, "kvf_abort: not implemented");
+    EXPECT_ERR(kvf_abort(e, 0, NULL, 0, 1000, &ar), KVF_ERR_INVALID, "request id 0");
+    EXPECT_ERR(kvf_abort(e, 1, NULL, 1, 1000, &ar), KVF_ERR_INVALID, "initiators is NULL");
+    const char *bad[] = {"no-port"};
+    EXPECT_ERR(kvf_abort(e, 1, bad, 1, 1000, &ar), KVF_ERR_INVALID, "not a segment name");
+    const char *nul[] = {NULL};
+    EXPECT_ERR(kvf_abort(e, 1, nul, 1, 1000, &ar), KVF_ERR_INVALID, "initiators[0] is NULL");
+    EXPECT_ERR(kvf_abort(e, 1, NULL, 0, 0, &ar), KVF_ERR_INVALID, "timeout 0");
+    EXPECT_ERR(kvf_abort(e, 1, NULL, 0, 1000, NULL), KVF_ERR_INVALID, "out is NULL");
+    ar.struct_size = 4;
+    EXPECT_ERR(kvf_abort(e, 1, NULL, 0, 1000, &ar), KVF_ERR_INVALID, "struct_size");
     uint64_t gid;
     kvf_grant_range gr = {4096, 4096};
-    EXPECT_ERR(kvf_grant(e, "127.0.0.1:1", 1, &gr, 1, &gid), KVF_ERR_UNSUPPORTED, "kvf_grant");
-    EXPECT_ERR(kvf_revoke(e, 1, 1000), KVF_ERR_UNSUPPORTED, "kvf_revoke");
-    EXPECT_ERR(kvf_notify(NULL, 1, "x", 1), KVF_ERR_UNSUPPORTED, "kvf_notify");
+    EXPECT_ERR(kvf_grant(e, "127.0.0.1:1", 0, &gr, 1, &gid), KVF_ERR_INVALID, "request id 0");
+    EXPECT_ERR(kvf_grant(e, "nohost", 1, &gr, 1, &gid), KVF_ERR_INVALID, "not a segment name");
+    EXPECT_ERR(kvf_grant(e, "127.0.0.1:1", 1, NULL, 0, &gid), KVF_ERR_INVALID, "no ranges");
+    EXPECT_ERR(kvf_grant(e, "127.0.0.1:1", 1, &gr, 1, NULL), KVF_ERR_INVALID, "grant_id is NULL");
+    EXPECT_ERR(kvf_revoke(e, 12345, 1000), KVF_ERR_INVALID, "unknown grant");
+    EXPECT_ERR(kvf_notify(NULL, 1, "x", 1), KVF_ERR_HANDLE, "kvf_notify");
     kvf_event ev[4];
     size_t n;
-    EXPECT_ERR(kvf_poll_events(e, ev, 4, &n, 0), KVF_ERR_UNSUPPORTED, "kvf_poll_events");
+    EXPECT_ERR(kvf_poll_events(e, ev, 0, &n, 0), KVF_ERR_INVALID, "no room");
+    EXPECT_ERR(kvf_poll_events(e, ev, 4, NULL, 0), KVF_ERR_INVALID, "n_out is NULL");
+    EXPECT_ERR(kvf_poll_events(e, ev, 4, &n, -1), KVF_ERR_INVALID, "timeout");
+    CHECK_OK(kvf_poll_events(e, ev, 4, &n, 0));
+    CHECK(n == 0, "events on a fresh engine: %zu", n);
+    EXPECT_ERR(kvf_event_fd(e, NULL), KVF_ERR_INVALID, "fd is NULL");
     CHECK_OK(kvf_engine_destroy(e));
 }
 
@@ -362,7 +381,7 @@ int main(void) {
     test_memory();
     test_segments();
     test_requests();
-    test_unsupported();
+    test_abort_args();
     test_last_error_sticks();
     return kvft_done("test_errors");
 }
