@@ -129,8 +129,11 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		for name := range wait {
 			_ = e.plane.Send(name, control.MsgAbort, msg)
 		}
-		e.bg.Add(1)
-		go e.resendAbort(pa, msg, deadline)
+		if e.startBackground() {
+			go e.resendAbort(pa, msg, deadline)
+		} else {
+			e.forgetPending(pa)
+		}
 	}
 
 	res := AbortResult{Generation: gen}
@@ -195,11 +198,7 @@ func (e *Engine) ownerCopiesAll() bool {
 // Then the abort stops waiting: a later ACK is unmatched.
 func (e *Engine) resendAbort(pa *pendingAbort, msg []byte, deadline time.Time) {
 	defer e.bg.Done()
-	defer func() {
-		e.pendMu.Lock()
-		delete(e.pending, abortKey{pa.rid, pa.gen})
-		e.pendMu.Unlock()
-	}()
+	defer e.forgetPending(pa)
 	interval := abortResendFirst
 	timer := time.NewTimer(interval)
 	defer timer.Stop()
@@ -227,6 +226,24 @@ func (e *Engine) resendAbort(pa *pendingAbort, msg []byte, deadline time.Time) {
 		interval = min(2*interval, abortResendMax)
 		timer.Reset(min(interval, time.Until(deadline)+time.Millisecond))
 	}
+}
+
+func (e *Engine) forgetPending(pa *pendingAbort) {
+	e.pendMu.Lock()
+	delete(e.pending, abortKey{pa.rid, pa.gen})
+	e.pendMu.Unlock()
+}
+
+// startBackground counts a background goroutine in, unless the engine is
+// closing; Close waits for those counted.
+func (e *Engine) startBackground() bool {
+	e.retryMu.Lock()
+	defer e.retryMu.Unlock()
+	if e.closing.Load() {
+		return false
+	}
+	e.bg.Add(1)
+	return true
 }
 
 // handleAbortAck takes an initiator's ABORT_ACK (on the plane's loop).
@@ -335,13 +352,13 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 		e.trimTombsLocked()
 	}
 	tb.minGen, tb.at, tb.drained, tb.owed = m.Generation, time.Now(), false, 1
-	e.hasTombs.Store(true)
 	tasks := e.tasksOfLocked(from, m.RequestID, m.Generation)
 	e.abortMu.Unlock()
 
 	e.emit(Event{Kind: EventAborted, Peer: from, RequestID: m.RequestID, Generation: m.Generation})
-	e.bg.Add(1)
-	go e.drain(k, m.Generation, tasks)
+	if e.startBackground() {
+		go e.drain(k, m.Generation, tasks)
+	}
 	return 0, nil
 }
 
@@ -497,7 +514,6 @@ func (e *Engine) learnAbort(owner string, rid uint64, refusedGen uint32) {
 	}
 	// Nothing owed: the owner did not ask; its refusal is the fence.
 	tb.minGen, tb.at, tb.drained, tb.outcome = gen, time.Now(), true, control.AckDrained
-	e.hasTombs.Store(true)
 	e.abortMu.Unlock()
 	e.emit(Event{Kind: EventAborted, Peer: owner, RequestID: rid, Generation: gen})
 }
@@ -528,13 +544,9 @@ func (e *Engine) sweepTombs(now time.Time) {
 		delete(e.tombs, k)
 	}
 	e.tombQueue = e.tombQueue[i:]
-	if len(e.tombs) == 0 {
-		e.hasTombs.Store(false)
-		e.tombQueue = nil
-	}
 }
 
-// abortedAt reports whether a transfer of rid at gen to owner was aborted.
+// abortedLocked reports whether a transfer of rid at gen to owner was aborted.
 // Called with abortMu held (shared).
 func (e *Engine) abortedLocked(owner string, rid uint64, gen uint32) bool {
 	tb := e.tombs[tombKey{owner, rid}]

@@ -200,13 +200,15 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	// Between the tombstone check and listing the tasks in the batch an
 	// ABORT's handler must not run: it would miss them (see handleAbort).
 	var aborted []*task
-	tombs := e.hasTombs.Load()
+	tombs := slices.ContainsFunc(tasks, func(t *task) bool { return t.req.RequestID != 0 })
 	if tombs {
 		e.abortMu.RLock()
-		for _, t := range tasks {
-			if t.req.RequestID != 0 && e.abortedLocked(t.req.Segment.name, t.req.RequestID, t.req.Generation) {
-				t.final.Store(int32(Aborted))
-				aborted = append(aborted, t)
+		if len(e.tombs) > 0 {
+			for _, t := range tasks {
+				if t.req.RequestID != 0 && e.abortedLocked(t.req.Segment.name, t.req.RequestID, t.req.Generation) {
+					t.final.Store(int32(Aborted))
+					aborted = append(aborted, t)
+				}
 			}
 		}
 	}

@@ -87,7 +87,6 @@ type Engine struct {
 	abortMu   sync.RWMutex
 	tombs     map[tombKey]*tombstone
 	tombQueue []tombKey
-	hasTombs  atomic.Bool
 
 	evMu     sync.Mutex
 	events   chan Event
