@@ -114,9 +114,23 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 			return AbortResult{}, fmt.Errorf("abort: %w", err)
 		}
 	}
-	// The fence needs ACKs only where the owner's code does not copy the
-	// bytes itself (the unsafe test mode pretends that is so everywhere).
-	needAcks := unsafe || !e.ownerCopiesAll()
+	// Every transport serving peers needs a fence: refusal where the
+	// owner's code copies the bytes, else the transport's own (Fencer),
+	// else the initiators' drained ACKs. The unsafe test mode trusts ACKs.
+	needAcks := unsafe
+	var fences []transport.Fencer
+	if !unsafe {
+		for _, t := range e.servers() {
+			if c, ok := t.(transport.OwnerCopier); ok && c.OwnerCopies() {
+				continue
+			}
+			if f, ok := t.(transport.Fencer); ok && len(wait) > 0 {
+				fences = append(fences, f)
+				continue
+			}
+			needAcks = true
+		}
+	}
 	pa := &pendingAbort{rid: requestID, gen: gen, wait: wait, drainedOnly: !unsafe, done: make(chan struct{})}
 	if len(wait) == 0 {
 		close(pa.done)
@@ -143,6 +157,16 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		case <-inProgress:
 		case <-ctx.Done():
 			reason = fmt.Errorf("copies of request %d still in progress at the deadline: %w", requestID, ErrTimeout)
+		}
+	}
+	for _, f := range fences {
+		for name := range wait {
+			if reason != nil {
+				break
+			}
+			if err := f.Fence(ctx, name); err != nil {
+				reason = fmt.Errorf("fence %s: %w", name, err)
+			}
 		}
 	}
 	if reason == nil && needAcks {
@@ -182,10 +206,13 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 // maxSegmentName bounds a segment name (a ZMQ routing id holds 255 bytes).
 const maxSegmentName = 255
 
+// servers returns the transports that serve accesses to our memory.
+func (e *Engine) servers() []transport.Transport { return []transport.Transport{e.tcp, e.local} }
+
 // ownerCopiesAll reports whether every transport serving peers copies bytes
 // in the owner's own code, so that refusal fences them.
 func (e *Engine) ownerCopiesAll() bool {
-	for _, t := range []transport.Transport{e.tcp, e.local} {
+	for _, t := range e.servers() {
 		if c, ok := t.(transport.OwnerCopier); !ok || !c.OwnerCopies() {
 			return false
 		}
@@ -411,6 +438,9 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 		}
 		e.waitFinal(tasks, time.Now().Add(e.opts.AbortDrainTimeout))
 	}
+	if outcome == control.AckDrained && !e.drainPaths(k) {
+		outcome = control.AckCut
+	}
 	var landed uint64
 	for _, t := range tasks {
 		landed += t.transferred.Load()
@@ -426,6 +456,43 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 	if !e.opts.Testing.UnsafeAbort && owed > 0 {
 		e.sendAck(k.owner, control.AbortAck{RequestID: k.rid, Generation: gen, Outcome: outcome, Landed: landed}, owed)
 	}
+}
+
+// drainPaths asks every path to the owner that may still move bytes of
+// ended slices (a transport.Drainer: rdma) to finish or flush the request's
+// work; it reports whether all did. Paths of tcp and local have nothing to
+// drain once their slices ended.
+func (e *Engine) drainPaths(k tombKey) bool {
+	e.segMu.Lock()
+	seg := e.segments[k.owner]
+	e.segMu.Unlock()
+	if seg == nil {
+		return true
+	}
+	seg.mu.Lock()
+	var drainers []transport.Drainer
+	for _, ref := range seg.paths {
+		if ref == nil {
+			continue
+		}
+		if d, ok := ref.ep.(transport.Drainer); ok {
+			drainers = append(drainers, d)
+		}
+	}
+	seg.mu.Unlock()
+	if len(drainers) == 0 {
+		return true
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), e.opts.AbortDrainTimeout)
+	defer cancel()
+	ok := true
+	for _, d := range drainers {
+		if err := d.Drain(ctx, k.rid); err != nil {
+			e.log.Warn("kvferry: drain failed; the ACK says cut", "owner", k.owner, "request", k.rid, "err", err)
+			ok = false
+		}
+	}
+	return ok
 }
 
 func (e *Engine) sendAck(owner string, ack control.AbortAck, n int) {
