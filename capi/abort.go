@@ -215,6 +215,8 @@ func putEvent(c *C.kvf_event, ev *engine.Event) {
 		c._type = C.KVF_EVENT_ABORTED
 	case engine.EventNotify:
 		c._type = C.KVF_EVENT_NOTIFY
+	case engine.EventCanceled:
+		c._type = C.KVF_EVENT_CANCELED
 	}
 	c.request_id = C.uint64_t(ev.RequestID)
 	c.generation = C.uint64_t(ev.Generation)

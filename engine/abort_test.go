@@ -92,5 +92,25 @@ func TestNotifyArrivesAsEvent(t *testing.T) {
 	if err != nil || n != 1 || buf[0].Kind != engine.EventNotify || string(buf[0].Data) != "done" || buf[0].RequestID != 7 {
 		t.Fatalf("TakeEvents = %d %v %+v", n, err, buf[0])
 	}
-	_ = context.Background
+
+}
+
+func TestTimedOutTransferTellsTheOwner(t *testing.T) {
+	p := newAbortPair(t, engine.Options{Testing: engine.Testing{ApplyDelay: 200 * time.Millisecond}}, 8<<20)
+	req := write(p.src, p.seg, engine.AddrOf(p.dst), len(p.src))
+	req.RequestID = 9
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	res, err := p.init.Transfer(ctx, []engine.Request{req})
+	if err == nil || res[0].Status != engine.Timeout {
+		t.Fatalf("transfer = %+v, %v; want TIMEOUT", res, err)
+	}
+	select {
+	case ev := <-p.owner.Events():
+		if ev.Kind != engine.EventCanceled || ev.RequestID != 9 || ev.Peer != p.init.Name() {
+			t.Errorf("event = %+v, want CANCELED of request 9 from %s", ev, p.init.Name())
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the owner was not told")
+	}
 }

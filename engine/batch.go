@@ -587,6 +587,9 @@ func (b *Batch) cancel(st TaskStatus, reason error) {
 	}
 	wg.Wait()
 	<-idle
+	if st != Aborted && !errors.Is(reason, ErrClosed) {
+		b.e.tellCanceled(tasks)
+	}
 }
 
 // cancelSnapshot returns the tasks to cancel and the channel that closes

@@ -153,6 +153,7 @@ func New(opts Options) (*Engine, error) {
 	plane.Handle(control.MsgAbort, e.handleAbort)
 	plane.Handle(control.MsgAbortAck, e.handleAbortAck)
 	plane.Handle(control.MsgNotify, e.handleNotify)
+	plane.Handle(control.MsgCanceled, e.handleCanceled)
 	plane.Start()
 	e.bg.Add(1)
 	go e.heartbeats()

@@ -20,6 +20,10 @@ const (
 	EventAborted EventKind = 1
 	// EventNotify: Peer sent Data about RequestID with Notify.
 	EventNotify EventKind = 2
+	// EventCanceled: Peer, an initiator, gave up on RequestID (a deadline
+	// passed or its caller canceled) and moves no more bytes of it. Told
+	// best effort: safety never depends on it.
+	EventCanceled EventKind = 3
 )
 
 func (k EventKind) String() string {
@@ -28,6 +32,8 @@ func (k EventKind) String() string {
 		return "ABORTED"
 	case EventNotify:
 		return "NOTIFY"
+	case EventCanceled:
+		return "CANCELED"
 	}
 	return fmt.Sprintf("EventKind(%d)", int(k))
 }
@@ -219,4 +225,40 @@ func (e *Engine) handleNotify(from string, body []byte) (control.MsgType, []byte
 	}
 	e.stats.notifications.Add(1)
 	return control.MsgNotifyAck, []byte{notifyQueued}
+}
+
+// handleCanceled tells the application that an initiator gave up on a
+// request (on the plane's loop).
+func (e *Engine) handleCanceled(from string, body []byte) (control.MsgType, []byte) {
+	m, err := control.DecodeAbortMsg(body)
+	if err != nil {
+		e.controlMalformed("CANCELED", from, err)
+		return 0, nil
+	}
+	e.emit(Event{Kind: EventCanceled, Peer: from, RequestID: m.RequestID, Generation: m.Generation})
+	return 0, nil
+}
+
+// tellCanceled tells each owner of the tasks that ended TIMEOUT or CANCELED
+// by their caller that we gave up on their request ids (SAFETY.md promise
+// 3: best effort, once per owner and request id).
+func (e *Engine) tellCanceled(tasks []*task) {
+	type key struct {
+		owner string
+		rid   uint64
+		gen   uint32
+	}
+	seen := map[key]bool{}
+	for _, t := range tasks {
+		st := TaskStatus(t.status.Load())
+		if t.req.RequestID == 0 || t.req.Segment.self || (st != Timeout && st != Canceled) {
+			continue
+		}
+		k := key{t.req.Segment.name, t.req.RequestID, t.req.Generation}
+		if seen[k] {
+			continue
+		}
+		seen[k] = true
+		_ = e.plane.Send(k.owner, control.MsgCanceled, control.AbortMsg{RequestID: k.rid, Generation: k.gen}.Encode())
+	}
 }

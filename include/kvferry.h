@@ -491,7 +491,10 @@ typedef enum kvf_event_type {
     KVF_EVENT_ABORTED = 1, /* an owner (peer) aborted request_id below
                               generation: our transfers of it to that owner
                               end ABORTED, now and later */
-    KVF_EVENT_NOTIFY = 2   /* a peer's kvf_notify */
+    KVF_EVENT_NOTIFY = 2,  /* a peer's kvf_notify */
+    KVF_EVENT_CANCELED = 3 /* since 0.2: a peer, initiator of request_id, gave
+                              up on it (a deadline passed or it canceled) and
+                              moves no more bytes of it; told best effort */
 } kvf_event_type;
 
 typedef struct kvf_event {

@@ -6,7 +6,9 @@ import (
 )
 
 // AbortMsg is the body of ABORT: the owner aborted RequestID, and every
-// access of it below Generation is refused from now on. Layout (little
+// access of it below Generation is refused from now on. CANCELED carries
+// the same body: the initiator gave up on RequestID at Generation (a
+// deadline passed or its caller canceled) and moves no more bytes of it. Layout (little
 // endian, AbortMsgSize bytes): u64 request id, u32 generation, u32 zero.
 type AbortMsg struct {
 	RequestID  uint64

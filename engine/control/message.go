@@ -58,7 +58,8 @@ const (
 	MsgAbortAck      MsgType = 7 // one-way, initiator -> owner: an AbortAck
 	MsgNotify        MsgType = 8 // -> NotifyAck; body: a Notification
 	MsgNotifyAck     MsgType = 9
-	maxMsgType               = MsgNotifyAck
+	MsgCanceled      MsgType = 10 // one-way, initiator -> owner: an AbortMsg body; it gave up on the request
+	maxMsgType               = MsgCanceled
 )
 
 func (t MsgType) String() string {
@@ -81,6 +82,8 @@ func (t MsgType) String() string {
 		return "NOTIFY"
 	case MsgNotifyAck:
 		return "NOTIFY_ACK"
+	case MsgCanceled:
+		return "CANCELED"
 	}
 	return fmt.Sprintf("MsgType(%d)", uint8(t))
 }
@@ -91,7 +94,7 @@ func (t MsgType) IsReply() bool {
 }
 
 // IsOneWay reports whether t expects no reply.
-func (t MsgType) IsOneWay() bool { return t == MsgAbort || t == MsgAbortAck }
+func (t MsgType) IsOneWay() bool { return t == MsgAbort || t == MsgAbortAck || t == MsgCanceled }
 
 // FlagZstd marks a compressed body.
 const FlagZstd = 1
