@@ -94,6 +94,7 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		}
 		wait[name] = true
 	}
+	named := len(wait) // wait itself is the ACK handler's once published
 	deadline, ok := ctx.Deadline()
 	if !ok {
 		deadline = time.Now().Add(e.opts.DefaultTimeout)
@@ -109,7 +110,7 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		gen = e.reqs.Generation(requestID) + 1
 	} else {
 		var err error
-		gen, inProgress, err = e.reqs.Abort(requestID, len(wait) == 0)
+		gen, inProgress, err = e.reqs.Abort(requestID, named == 0)
 		if err != nil {
 			return AbortResult{}, fmt.Errorf("abort: %w", err)
 		}
@@ -124,7 +125,7 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 			if c, ok := t.(transport.OwnerCopier); ok && c.OwnerCopies() {
 				continue
 			}
-			if f, ok := t.(transport.Fencer); ok && len(wait) > 0 {
+			if f, ok := t.(transport.Fencer); ok && named > 0 {
 				fences = append(fences, f)
 				continue
 			}
@@ -132,7 +133,7 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		}
 	}
 	pa := &pendingAbort{rid: requestID, gen: gen, wait: wait, drainedOnly: !unsafe, done: make(chan struct{})}
-	if len(wait) == 0 {
+	if named == 0 {
 		close(pa.done)
 	} else {
 		k := abortKey{requestID, gen}
@@ -140,7 +141,7 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		e.pending[k] = pa
 		e.pendMu.Unlock()
 		msg := control.AbortMsg{RequestID: requestID, Generation: gen}.Encode()
-		for name := range wait {
+		for _, name := range initiators { // not wait: ACKs delete from it now
 			_ = e.plane.Send(name, control.MsgAbort, msg)
 		}
 		if e.startBackground() {
@@ -160,7 +161,7 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		}
 	}
 	for _, f := range fences {
-		for name := range wait {
+		for _, name := range initiators {
 			if reason != nil {
 				break
 			}
@@ -170,9 +171,9 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		}
 	}
 	if reason == nil && needAcks {
-		if len(wait) == 0 && unsafe {
+		if named == 0 && unsafe {
 			reason = fmt.Errorf("no initiator named, so none can acknowledge: %w", ErrUnsupported)
-		} else if !unsafe && len(wait) == 0 {
+		} else if !unsafe && named == 0 {
 			reason = fmt.Errorf("a transport lets hardware write our memory and no initiator is named to drain or fence: %w", ErrUnsupported)
 		} else {
 			select {
