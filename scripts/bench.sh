@@ -5,6 +5,10 @@
 # alternating, and the medians are compared.
 #   scripts/bench.sh                 # 64 KiB, 1 MiB, 4 MiB; write and read
 #   BLOCKS="65536" OPS=write ROUNDS=5 DURATION=3 scripts/bench.sh
+# Then one abort-latency run (kvferry-bench --mode abort): Abort call to Safe
+# with ABORT_RATE MB/s of WRITEs in flight, p50/p99 also as ratios to a Notify
+# round trip of the same run. ABORT_RATE=0 skips it; ABORT_PROCESSES=2 runs
+# the initiator as a process of its own (the default with MODE=process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BENCH=${BENCH:-bin/kvferry-bench}
@@ -15,6 +19,9 @@ ROUNDS=${ROUNDS:-3}
 DURATION=${DURATION:-3}
 MODE=${MODE:-loopback}        # loopback, or process: a target process of its own, then initiator runs
 SEGMENT=${SEGMENT:-}          # with MODE=initiator: host:port of a target already running
+ABORT_RATE=${ABORT_RATE:-1000}        # MB/s of background WRITEs during the abort run; 0: no abort run
+ABORT_DURATION=${ABORT_DURATION:-10}
+ABORT_PROCESSES=${ABORT_PROCESSES:-$([ "$MODE" = process ] && echo 2 || echo 1)}
 
 if [ "$MODE" = process ]; then
   tout=$(mktemp)
@@ -64,3 +71,21 @@ for op in $OPS; do
     printf "%-6s %-9s %10s %10s %10s %8s\n" "$op" "$bs" "$km" "$rm_" "$ip" "$(python3 -c "print('%.2fx' % ($km/$rm_))")"
   done
 done
+
+if [ "$ABORT_RATE" != 0 ]; then
+  args=(--mode abort --rate "$ABORT_RATE" --duration "$ABORT_DURATION")
+  [ "$ABORT_PROCESSES" = 2 ] && args+=(--two-process)
+  # A run with an abort that is not Safe prints FAIL and exits 1.
+  out=$("$BENCH" "${args[@]}") || { echo "$out"; echo "abort run failed"; exit 1; }
+  res=$(grep '^RESULT mode=abort' <<<"$out") || { echo "$out"; echo "abort RESULT missing"; exit 1; }
+  field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$res"; }
+  echo
+  echo "abort latency, call to Safe ($(field processes) process(es), $(field aborts) aborts, all Safe," \
+    "$(field bg_mbps) MB/s of WRITEs in flight, target $(field target_mbps)):"
+  printf "  %-28s p50 %6s us  p90 %6s us  p99 %6s us  max %6s us\n" abort \
+    "$(field abort_p50_us)" "$(field abort_p90_us)" "$(field abort_p99_us)" "$(field abort_max_us)"
+  printf "  %-28s p50 %6s us  p99 %6s us\n" "Notify round trip (baseline)" "$(field notify_p50_us)" "$(field notify_p99_us)"
+  printf "  %-28s p50 %6s us  p99 %6s us\n" "abort, request id idle" "$(field idle_abort_p50_us)" "$(field idle_abort_p99_us)"
+  echo "  abort/Notify ratio: p50 $(field ratio_p50), p99 $(field ratio_p99);" \
+    "owner refusals $(field refused), of them in flight $(field refused_in_flight)"
+fi

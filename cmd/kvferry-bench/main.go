@@ -2,12 +2,15 @@
 // Mooncake's transfer_engine_bench.
 //
 //	kvferry-bench --mode loopback --op write --block-size 65536 --threads 4 --duration 10
+//	kvferry-bench --mode abort --rate 1000 --duration 10
 //
 // Modes: target (serve a buffer and wait), initiator (move data to or from a
 // target named by --segment), loopback (both in one process, TCP on
-// 127.0.0.1: the README's main job) and raw-tcp (plain loopback TCP with the
-// same stream count and block size: the baseline to compare with). Data
-// integrity is verified outside the timed loop; a mismatch exits 1.
+// 127.0.0.1: the README's main job), raw-tcp (plain loopback TCP with the
+// same stream count and block size: the baseline to compare with) and abort
+// (abort latency, call to Safe, with --rate MB/s of WRITEs in flight; see
+// abort.go). Data integrity is verified outside the timed loop; a mismatch
+// exits 1, as does an abort that is not Safe.
 package main
 
 import (
@@ -36,24 +39,40 @@ type config struct {
 	bufferSize, sliceSize, pathCount int
 	duration                         float64
 	seed                             uint64
+	rate                             float64       // abort mode: MB/s of background WRITEs
+	abortEvery                       time.Duration // abort mode: mean time between aborts
+	twoProcess                       bool          // abort mode: the initiator in a child process
 }
 
 func main() {
 	var c config
-	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp")
+	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp | abort")
 	flag.StringVar(&c.op, "op", "write", "write | read")
-	flag.StringVar(&c.segment, "segment", "", "the target's segment name host:port (initiator mode)")
+	flag.StringVar(&c.segment, "segment", "", "the target's segment name host:port (initiator mode; abort mode: be the child of --two-process)")
 	flag.StringVar(&c.host, "host", "127.0.0.1", "address to listen on")
-	flag.IntVar(&c.blockSize, "block-size", 64<<10, "bytes per request")
-	flag.IntVar(&c.batchSize, "batch-size", 16, "requests per batch")
+	flag.IntVar(&c.blockSize, "block-size", 64<<10, "bytes per request (abort mode: per request id, default 8 MiB)")
+	flag.IntVar(&c.batchSize, "batch-size", 16, "requests per batch (abort mode: pieces of one request id)")
 	flag.IntVar(&c.threads, "threads", 4, "submitting threads; also the connection (stream) count")
-	flag.Float64Var(&c.duration, "duration", 5, "seconds of timed transfers")
+	flag.Float64Var(&c.duration, "duration", 5, "seconds of timed transfers (abort mode: default 10)")
 	flag.IntVar(&c.bufferSize, "buffer-size", 256<<20, "bytes registered on each side")
 	flag.IntVar(&c.sliceSize, "slice-size", 0, "engine slice size (0: engine default)")
 	flag.IntVar(&c.pathCount, "paths", 0, "connections per peer (0: --threads)")
 	flag.Uint64Var(&c.seed, "seed", 1, "data pattern seed (target and initiator must agree)")
+	flag.Float64Var(&c.rate, "rate", 1000, "abort mode: background WRITE rate to aim at, MB/s (1e6 bytes)")
+	flag.DurationVar(&c.abortEvery, "abort-interval", 10*time.Millisecond, "abort mode: mean time between aborts (uniform in [x/2, 3x/2])")
+	flag.BoolVar(&c.twoProcess, "two-process", false, "abort mode: run the initiator (prefill) as a child process")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile to this file")
 	flag.Parse()
+	if c.mode == "abort" {
+		given := map[string]bool{}
+		flag.Visit(func(f *flag.Flag) { given[f.Name] = true })
+		if !given["block-size"] {
+			c.blockSize = 8 << 20
+		}
+		if !given["duration"] {
+			c.duration = 10
+		}
+	}
 	if *cpuProfile != "" {
 		f, err := os.Create(*cpuProfile)
 		if err == nil {
@@ -82,11 +101,13 @@ func main() {
 		err = runLoopback(c)
 	case "raw-tcp":
 		err = runRawTCP(c)
+	case "abort":
+		err = runAbort(c)
 	}
 	if err != nil {
 		pprof.StopCPUProfile()
 		fmt.Fprintln(os.Stderr, "kvferry-bench:", err)
-		if errors.Is(err, errMismatch) {
+		if errors.Is(err, errMismatch) || errors.Is(err, errAbortFail) {
 			os.Exit(1)
 		}
 		os.Exit(3)
@@ -95,12 +116,15 @@ func main() {
 
 func (c *config) check() error {
 	switch c.mode {
-	case "target", "initiator", "loopback", "raw-tcp":
+	case "target", "initiator", "loopback", "raw-tcp", "abort":
 	default:
-		return fmt.Errorf("--mode %q: want target, initiator, loopback or raw-tcp", c.mode)
+		return fmt.Errorf("--mode %q: want target, initiator, loopback, raw-tcp or abort", c.mode)
 	}
 	if c.op != "write" && c.op != "read" {
 		return fmt.Errorf("--op %q: want write or read", c.op)
+	}
+	if c.mode == "abort" && (c.op != "write" || c.rate <= 0 || c.abortEvery <= 0) {
+		return errors.New("--mode abort needs --op write, a positive --rate and a positive --abort-interval")
 	}
 	if c.mode == "initiator" && c.segment == "" {
 		return errors.New("--mode initiator needs --segment host:port")
