@@ -33,6 +33,12 @@ func (c *rawConn) readFull(p []byte) error {
 	return err
 }
 
+// maxGuardedCopy bounds the bytes one syscall copies into or out of owner
+// memory under a guard: an abort or unregistration waits for copies under
+// way, so this bounds that wait (about 30 us at memcpy speed) at the cost of
+// a syscall per 256 KiB.
+const maxGuardedCopy = 256 << 10
+
 // readGuarded fills dst from the socket, entering g around each read. Once
 // g refuses, the remaining bytes are read and discarded so the stream stays
 // in step; it returns how many bytes landed in dst, g's refusal and any
@@ -40,7 +46,11 @@ func (c *rawConn) readFull(p []byte) error {
 // tail (up to its length) in the same syscall; tailN says how many.
 func (c *rawConn) readGuarded(dst []byte, g guard, tail []byte) (landed, tailN int, refusal, err error) {
 	for landed < len(dst) {
-		nd, nt, refusal, err := c.readv(dst[landed:], tail[tailN:], g, true)
+		d, t := dst[landed:], tail[tailN:]
+		if len(d) > maxGuardedCopy {
+			d, t = d[:maxGuardedCopy], nil // the tail follows the whole payload only
+		}
+		nd, nt, refusal, err := c.readv(d, t, g, true)
 		landed += nd
 		tailN += nt
 		if refusal != nil {
@@ -148,8 +158,12 @@ func (c *rawConn) writeGuarded(hdr, payload []byte, g guard, trailer ...byte) (s
 					return true
 				}
 			}
+			pl, tr := payload[sent:], trailer[t:]
+			if g != nil && len(pl) > maxGuardedCopy {
+				pl, tr = pl[:maxGuardedCopy], nil // the trailer follows the whole payload only
+			}
 			parts := iov[:0]
-			for _, p := range [][]byte{hdr[h:], payload[sent:], trailer[t:]} {
+			for _, p := range [][]byte{hdr[h:], pl, tr} {
 				if len(p) > 0 {
 					parts = append(parts, p)
 				}
