@@ -23,7 +23,6 @@ const MaxAbortInitiators = 1024
 const (
 	abortResendFirst = 2 * time.Millisecond
 	abortResendMax   = 200 * time.Millisecond
-	maxOwedAcks      = 8 // ACKs sent at once for duplicate ABORTs heard while draining
 )
 
 // AbortResult is the outcome of Engine.Abort.
@@ -337,7 +336,7 @@ type tombstone struct {
 	drained bool // the drain for minGen finished; outcome and landed are set
 	outcome control.AckOutcome
 	landed  uint64
-	owed    int // ABORTs heard while draining, each answered after it
+	owed    bool // an ABORT was heard: the drain's end answers it (and its duplicates)
 }
 
 // handleAbort takes an owner's ABORT (on the plane's loop, so it must not
@@ -353,7 +352,7 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 	e.stats.abortsReceived.Add(1)
 	if e.opts.Testing.UnsafeAbort {
 		// "Heard" is all this ACK means: SGLang's ABORT_ACK.
-		e.sendAck(from, control.AbortAck{RequestID: m.RequestID, Generation: m.Generation, Outcome: control.AckHeard}, 1)
+		e.sendAck(from, control.AbortAck{RequestID: m.RequestID, Generation: m.Generation, Outcome: control.AckHeard})
 	}
 	k := tombKey{from, m.RequestID}
 	e.abortMu.Lock()
@@ -365,11 +364,11 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 		if drained {
 			ack = control.AbortAck{RequestID: m.RequestID, Generation: tb.minGen, Outcome: tb.outcome, Landed: tb.landed}
 		} else {
-			tb.owed++
+			tb.owed = true
 		}
 		e.abortMu.Unlock()
 		if drained && !e.opts.Testing.UnsafeAbort {
-			e.sendAck(from, ack, 1)
+			e.sendAck(from, ack)
 		}
 		return 0, nil
 	}
@@ -379,7 +378,7 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 		e.tombQueue = append(e.tombQueue, k)
 		e.trimTombsLocked()
 	}
-	tb.minGen, tb.at, tb.drained, tb.owed = m.Generation, time.Now(), false, 1
+	tb.minGen, tb.at, tb.drained, tb.owed = m.Generation, time.Now(), false, true
 	tasks := e.tasksOfLocked(from, m.RequestID, m.Generation)
 	e.abortMu.Unlock()
 
@@ -421,7 +420,9 @@ func (e *Engine) tasksOfLocked(owner string, rid uint64, gen uint32) []*task {
 // drain stops the tasks of an aborted request: queued slices are dropped,
 // slices on the wire or being copied are waited for (their owner answers or
 // refuses them), up to AbortDrainTimeout, after which their paths are cut.
-// Then it sends the ABORT_ACKs owed.
+// Then it sends the ABORT_ACK: one answers the ABORT and every duplicate
+// heard while draining (the owner needs one; each extra would only be
+// counted unmatched there). Duplicates heard later get one each.
 func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 	defer e.bg.Done()
 	for _, t := range tasks {
@@ -448,14 +449,14 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 	}
 	e.abortMu.Lock()
 	tb := e.tombs[k]
-	owed := 0
+	owed := false
 	if tb != nil && tb.minGen == gen {
 		tb.drained, tb.outcome, tb.landed = true, outcome, landed
-		owed, tb.owed = tb.owed, 0
+		owed, tb.owed = tb.owed, false
 	}
 	e.abortMu.Unlock()
-	if !e.opts.Testing.UnsafeAbort && owed > 0 {
-		e.sendAck(k.owner, control.AbortAck{RequestID: k.rid, Generation: gen, Outcome: outcome, Landed: landed}, owed)
+	if !e.opts.Testing.UnsafeAbort && owed {
+		e.sendAck(k.owner, control.AbortAck{RequestID: k.rid, Generation: gen, Outcome: outcome, Landed: landed})
 	}
 }
 
@@ -496,11 +497,8 @@ func (e *Engine) drainPaths(k tombKey) bool {
 	return ok
 }
 
-func (e *Engine) sendAck(owner string, ack control.AbortAck, n int) {
-	body := ack.Encode()
-	for range min(n, maxOwedAcks) {
-		_ = e.plane.Send(owner, control.MsgAbortAck, body)
-	}
+func (e *Engine) sendAck(owner string, ack control.AbortAck) {
+	_ = e.plane.Send(owner, control.MsgAbortAck, ack.Encode())
 }
 
 // waitFinal waits until every task is final, the deadline passes or the
