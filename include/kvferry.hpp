@@ -3,7 +3,10 @@
 // Engine, Segment, Batch and Buffer own one C handle or buffer each and
 // release it in their destructor; they are movable, not copyable. Every
 // failure throws kvferry::Error, which carries the kvf_status code and the
-// library's detailed message. Destructors never throw: a Segment, Batch or
+// library's detailed message. Outcomes that are results rather than
+// failures are returned instead: a batch still in flight (Batch::wait), an
+// abort that is not safe (Engine::abort), a peer's full event queue
+// (Segment::notify). Destructors never throw: a Segment, Batch or
 // Buffer that outlives its Engine finds its handle stale and does nothing
 // (kvf_engine_destroy already released it).
 //
@@ -90,6 +93,22 @@ struct Options {
     }
 };
 
+// AbortResult is the outcome of Engine::abort (kvf_abort_result).
+struct AbortResult {
+    // No further byte of the request can touch the owner's memory, which
+    // may be reused at once.
+    bool safe = false;
+    // The request id's generation after the abort.
+    uint64_t generation = 0;
+    // Lower bound of the bytes that landed, from the ACKs received in time.
+    uint64_t bytes_confirmed = 0;
+    // When not safe: why (KVF_ERR_TIMEOUT, ...) and the library's message.
+    kvf_status code = KVF_OK;
+    std::string reason;
+
+    explicit operator bool() const noexcept { return safe; }
+};
+
 // Segment is an open peer (or the engine's own segment).
 class Segment {
 public:
@@ -130,6 +149,20 @@ public:
     }
     kvf_request read(void *local, uint64_t remote, uint64_t length, uint64_t request_id = 0) const {
         return make(KVF_OP_READ, local, remote, length, request_id);
+    }
+
+    // Sends the peer a small message about request_id (at most
+    // KVF_EVENT_DATA_MAX bytes), which it gets as a KVF_EVENT_NOTIFY event.
+    // Returns true once the peer queued it, false when the peer's event
+    // queue is full (KVF_ERR_BUSY: backpressure, try again later).
+    [[nodiscard]] bool notify(uint64_t request_id, const void *data, size_t len) const {
+        kvf_status st = kvf_notify(h_, request_id, data, len);
+        if (st == KVF_ERR_BUSY) return false;
+        detail::check(st);
+        return true;
+    }
+    [[nodiscard]] bool notify(uint64_t request_id, const std::string &data = std::string()) const {
+        return notify(request_id, data.data(), data.size());
     }
 
     // Closes the handle now, reporting failure.
@@ -336,6 +369,66 @@ public:
         transfer(reqs.data(), reqs.size(), timeout_ms);
     }
 
+    // Safe abort, as the owner of the memory (kvf_abort): refuses every
+    // access of request_id from now on and tells the initiators named
+    // (segment names; none: refusal alone stops them). An abort that could
+    // not be made safe by timeout_ms is a result (safe false, with code and
+    // reason), not an exception; invalid arguments and a closed engine
+    // throw.
+    AbortResult abort(uint64_t request_id, const std::vector<std::string> &initiators = {},
+                      int timeout_ms = KVF_TIMEOUT_DEFAULT) {
+        std::vector<const char *> names;
+        names.reserve(initiators.size());
+        for (const std::string &n : initiators) names.push_back(n.c_str());
+        kvf_abort_result r{};
+        r.struct_size = sizeof r;
+        // kvf_abort writes safe = 0 when it reached a result that is not
+        // safe, and nothing when it failed: the sentinel tells them apart.
+        r.safe = not_written;
+        kvf_status st = kvf_abort(h_, request_id, names.empty() ? nullptr : names.data(), names.size(),
+                                  timeout_ms, &r);
+        AbortResult out;
+        if (st != KVF_OK) {
+            if (r.safe != 0) throw Error(st, kvf_last_error());
+            out.code = st;
+            out.reason = kvf_last_error();
+        }
+        out.safe = st == KVF_OK && r.safe == 1;
+        out.generation = r.generation;
+        out.bytes_confirmed = r.bytes_confirmed;
+        return out;
+    }
+
+    // Lets initiator (a segment name) access ranges of our registered
+    // memory for request_id (kvf_grant); returns the grant's id.
+    uint64_t grant(const std::string &initiator, uint64_t request_id, const std::vector<kvf_grant_range> &ranges) {
+        uint64_t id = 0;
+        detail::check(kvf_grant(h_, initiator.c_str(), request_id, ranges.data(), ranges.size(), &id));
+        return id;
+    }
+    // Withdraws a grant and waits until no copy of its request is in
+    // progress (kvf_revoke). An unknown id throws KVF_ERR_INVALID.
+    void revoke(uint64_t grant_id, int timeout_ms = KVF_TIMEOUT_DEFAULT) {
+        detail::check(kvf_revoke(h_, grant_id, timeout_ms));
+    }
+
+    // Takes up to max (> 0) pending events, waiting up to timeout_ms (>= 0)
+    // for the first; empty when none arrived in time.
+    std::vector<kvf_event> poll_events(int timeout_ms = 0, size_t max = 64) {
+        std::vector<kvf_event> v(max);
+        size_t n = 0;
+        detail::check(kvf_poll_events(h_, v.data(), v.size(), &n, timeout_ms));
+        v.resize(n);
+        return v;
+    }
+    // A descriptor that polls readable while events may be pending, for
+    // event loops; the engine owns it (do not read or close it).
+    int event_fd() const {
+        int fd = -1;
+        detail::check(kvf_event_fd(h_, &fd));
+        return fd;
+    }
+
     kvf_stats stats() const {
         kvf_stats s{};
         s.struct_size = sizeof s;
@@ -349,10 +442,11 @@ public:
     }
 
 private:
+    static constexpr uint32_t not_written = 0xffffffffu;
     kvf_engine h_ = nullptr;
 };
 
-// The library's version, e.g. "0.1.0".
+// The library's version, e.g. "0.2.0".
 inline std::string version() { return kvf_version_string(); }
 
 } // namespace kvferry

@@ -1,6 +1,8 @@
 // A C++ program using kvferry as an installed package (through CMake's
 // find_package or pkg-config): two engines in one process move data both
-// ways, and failures arrive as kvferry::Error with code and message.
+// ways, failures arrive as kvferry::Error with code and message, and the
+// owner aborts a request, grants and revokes, and gets a notification
+// through the wrappers (the C test test_abort covers those calls in depth).
 #include <kvferry.hpp>
 
 #include <cstdio>
@@ -64,6 +66,57 @@ int main() {
             EXPECT(e.code() == KVF_ERR_INVALID);
             EXPECT(std::string(e.code_str()) == "invalid argument");
         }
+        // Safe abort: b owns dst, a wrote request 1 into it. a hears of it
+        // (an event, its fd readable) and can write request 1 no more.
+        const int efd = a.event_fd();
+        EXPECT(efd >= 0);
+        kvferry::AbortResult ar = b.abort(1, {a.name()}, 5000);
+        EXPECT(ar.safe && ar && ar.generation == 1 && ar.code == KVF_OK && ar.reason.empty());
+        std::vector<kvf_event> evs = a.poll_events(5000);
+        EXPECT(evs.size() == 1);
+        EXPECT(evs[0].type == KVF_EVENT_ABORTED && evs[0].request_id == 1 && evs[0].generation == 1);
+        EXPECT(b.name() == evs[0].peer);
+        EXPECT(a.poll_events(0).empty());
+        std::memset(src.data(), 0xee, 4096);
+        try {
+            a.transfer({seg.write(src.data(), dst.addr(), 4096, 1)}, 5000);
+            EXPECT(false);
+        } catch (const kvferry::Error &e) {
+            EXPECT(e.code() == KVF_ERR_ABORTED);
+        }
+        EXPECT(dst.bytes()[0] == 3 && dst.bytes()[4095] == static_cast<uint8_t>(4095 * 7 + 3));
+        try {
+            (void)b.abort(0, {}, 1000);
+            EXPECT(false);
+        } catch (const kvferry::Error &e) {
+            EXPECT(e.code() == KVF_ERR_INVALID);
+        }
+
+        // A grant lets a write request 4's first page only, until revoked.
+        uint64_t g = b.grant(a.name(), 4, {{dst.addr(), 4096}});
+        a.transfer({seg.write(src.data(), dst.addr(), 4096, 4)}, 5000);
+        EXPECT(dst.bytes()[0] == 0xee);
+        try {
+            a.transfer({seg.write(src.data(), dst.addr() + 4096, 4096, 4)}, 5000);
+            EXPECT(false);
+        } catch (const kvferry::Error &e) {
+            EXPECT(e.code() == KVF_ERR_REFUSED);
+        }
+        b.revoke(g, 5000);
+        try {
+            b.revoke(g, 5000);
+            EXPECT(false);
+        } catch (const kvferry::Error &e) {
+            EXPECT(e.code() == KVF_ERR_INVALID);
+        }
+
+        // A notification reaches the owner as an event.
+        EXPECT(seg.notify(5, "ready"));
+        evs = b.poll_events(5000);
+        EXPECT(evs.size() == 1 && evs[0].type == KVF_EVENT_NOTIFY && evs[0].request_id == 5);
+        EXPECT(std::string(reinterpret_cast<const char *>(evs[0].data), evs[0].data_len) == "ready");
+        EXPECT(a.name() == evs[0].peer);
+
         std::printf("consumer: ok (kvferry %s, %s)\n", kvferry::version().c_str(), a.name().c_str());
         // Destructors in reverse order: batch, segment, buffers, engines. A
         // buffer outliving its engine would find a stale handle, no crash.
