@@ -1,0 +1,324 @@
+package pd
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvferry/kvferry/engine"
+)
+
+// The test binary runs itself as the prefill process when roleEnv is set;
+// the other variables configure it (the library reads no variable for its
+// Testing switches, so the unsafe mode travels in one of ours).
+const (
+	roleEnv    = "KVFERRY_PD_ROLE"    // "prefill"
+	unsafeEnv  = "KVFERRY_PD_UNSAFE"  // "1": Options.Testing.UnsafeAbort
+	sliceEnv   = "KVFERRY_PD_SLICE"   // Options.SliceSize
+	pathsEnv   = "KVFERRY_PD_PATHS"   // Options.PathsPerPeer
+	workersEnv = "KVFERRY_PD_WORKERS" // requests written at once
+	srcEnv     = "KVFERRY_PD_SRC"     // source bytes per worker (the largest request)
+)
+
+func TestMain(m *testing.M) {
+	if os.Getenv(roleEnv) == "prefill" {
+		os.Exit(runPrefill())
+	}
+	os.Exit(m.Run())
+}
+
+// prefillConfig configures the prefill process.
+type prefillConfig struct {
+	unsafe           bool
+	slice, paths     int
+	workers, srcSize int
+}
+
+func (c prefillConfig) env() []string {
+	u := "0"
+	if c.unsafe {
+		u = "1"
+	}
+	return []string{roleEnv + "=prefill", unsafeEnv + "=" + u, sliceEnv + "=" + strconv.Itoa(c.slice),
+		pathsEnv + "=" + strconv.Itoa(c.paths), workersEnv + "=" + strconv.Itoa(c.workers), srcEnv + "=" + strconv.Itoa(c.srcSize)}
+}
+
+// job is one "request" line.
+type job struct {
+	rid                     uint64
+	gen                     uint32
+	layers, pages, pageSize int
+	addrs                   []uint64 // layer-major
+}
+
+func parseJob(f []string) (job, error) {
+	var j job
+	if len(f) < 6 || f[0] != "request" {
+		return j, fmt.Errorf("not a request line")
+	}
+	var nums [5]uint64
+	for i := range nums {
+		n, err := strconv.ParseUint(f[i+1], 10, 64)
+		if err != nil {
+			return j, err
+		}
+		nums[i] = n
+	}
+	j.rid, j.gen = nums[0], uint32(nums[1])
+	j.layers, j.pages, j.pageSize = int(nums[2]), int(nums[3]), int(nums[4])
+	if j.layers <= 0 || j.pages <= 0 || j.pageSize <= 0 || j.pageSize%8 != 0 || len(f) != 6+j.layers*j.pages {
+		return j, fmt.Errorf("bad shape")
+	}
+	for _, s := range f[6:] {
+		a, err := strconv.ParseUint(s, 10, 64)
+		if err != nil {
+			return j, err
+		}
+		j.addrs = append(j.addrs, a)
+	}
+	return j, nil
+}
+
+// lineOut writes whole lines to stdout from many goroutines.
+type lineOut struct {
+	mu sync.Mutex
+	w  *bufio.Writer
+}
+
+func (o *lineOut) printf(format string, args ...any) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	fmt.Fprintf(o.w, format+"\n", args...)
+	_ = o.w.Flush()
+}
+
+// processFDs counts this process's open file descriptors; the leak checks
+// of both processes use it, the child's without a testing.T.
+func processFDs() (int, []string, error) {
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return 0, nil, err
+	}
+	var names []string
+	for _, e := range ents {
+		l, _ := os.Readlink(filepath.Join("/proc/self/fd", e.Name()))
+		names = append(names, e.Name()+" -> "+l)
+	}
+	sort.Strings(names)
+	// One entry is the directory ReadDir itself had open.
+	return len(ents) - 1, names, nil
+}
+
+// warmUp starts and closes an engine, so that what the runtime and libzmq
+// create once per process (the netpoller's descriptors, ...) exists before a
+// leak check takes its baseline.
+func warmUp() error {
+	e, err := engine.New(engine.Options{IgnoreEnv: true})
+	if err != nil {
+		return err
+	}
+	return e.Close()
+}
+
+// settled waits up to d for the goroutine and descriptor counts to drop to
+// at most g0 and f0 (goroutines on their way out need a moment), and
+// returns the last counts.
+func settled(g0, f0 int, d time.Duration) (g, f int) {
+	for end := time.Now().Add(d); ; time.Sleep(10 * time.Millisecond) {
+		g = runtime.NumGoroutine()
+		f, _, _ = processFDs()
+		if (g <= g0 && f <= f0) || time.Now().After(end) {
+			return g, f
+		}
+	}
+}
+
+// runPrefill is the prefill process: it WRITEs each requested request's
+// pages into decode's slots, one batch per layer, and reports each
+// request's outcome. At stdin's end it waits for the requests, closes its
+// engine, checks itself for leaks and says "bye".
+func runPrefill() int {
+	fail := func(format string, args ...any) int {
+		fmt.Fprintf(os.Stderr, "pd prefill: "+format+"\n", args...)
+		return 2
+	}
+	num := func(name string) int {
+		n, err := strconv.Atoi(os.Getenv(name))
+		if err != nil {
+			return -1
+		}
+		return n
+	}
+	cfg := prefillConfig{unsafe: os.Getenv(unsafeEnv) == "1", slice: num(sliceEnv), paths: num(pathsEnv),
+		workers: num(workersEnv), srcSize: num(srcEnv)}
+	if cfg.slice <= 0 || cfg.paths <= 0 || cfg.workers <= 0 || cfg.srcSize <= 0 {
+		return fail("bad configuration %+v", cfg)
+	}
+	if err := warmUp(); err != nil {
+		return fail("warm-up engine: %v", err)
+	}
+	g0 := runtime.NumGoroutine()
+	f0, _, err := processFDs()
+	if err != nil {
+		return fail("%v", err)
+	}
+
+	e, err := engine.New(engine.Options{IgnoreEnv: true, SliceSize: cfg.slice, PathsPerPeer: cfg.paths,
+		Testing: engine.Testing{UnsafeAbort: cfg.unsafe}})
+	if err != nil {
+		return fail("new engine: %v", err)
+	}
+	src, err := e.AllocBuffer(cfg.workers*cfg.srcSize, "cpu")
+	if err != nil {
+		return fail("alloc: %v", err)
+	}
+	// The application learns of aborts through events; take them so the
+	// queue never overflows, and count them.
+	var abortEvents, otherEvents int
+	evDone := make(chan struct{})
+	go func() {
+		defer close(evDone)
+		for ev := range e.Events() {
+			if ev.Kind == engine.EventAborted {
+				abortEvents++
+			} else {
+				otherEvents++
+			}
+		}
+	}()
+	out := &lineOut{w: bufio.NewWriter(os.Stdout)}
+	out.printf("prefill %s", e.Name())
+
+	in := bufio.NewScanner(os.Stdin)
+	in.Buffer(make([]byte, 64<<10), 1<<20)
+	if !in.Scan() {
+		return fail("no segment line")
+	}
+	f := strings.Fields(in.Text())
+	if len(f) != 2 || f[0] != "segment" {
+		return fail("want a segment line, got %q", in.Text())
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	seg, err := e.OpenSegment(ctx, f[1])
+	cancel()
+	if err != nil {
+		return fail("open segment: %v", err)
+	}
+
+	slots := make(chan []byte, cfg.workers)
+	for i := range cfg.workers {
+		slots <- src[i*cfg.srcSize : (i+1)*cfg.srcSize]
+	}
+	var wg sync.WaitGroup
+	for in.Scan() {
+		j, err := parseJob(strings.Fields(in.Text()))
+		if err != nil {
+			return fail("line %q: %v", in.Text(), err)
+		}
+		if j.layers*j.pages*j.pageSize > cfg.srcSize {
+			return fail("request %d of %d bytes, sources hold %d", j.rid, j.layers*j.pages*j.pageSize, cfg.srcSize)
+		}
+		s := <-slots // a free source: the request's KV "computed" into it
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			out.printf("%s", writeRequest(e, seg, j, s))
+			slots <- s
+		}()
+	}
+	if err := in.Err(); err != nil {
+		return fail("stdin: %v", err)
+	}
+	wg.Wait()
+	st := e.Stats()
+	if err := e.Close(); err != nil {
+		return fail("close: %v", err)
+	}
+	<-evDone
+	if err := e.FreeBuffer(engine.AddrOf(src)); err != nil {
+		return fail("free: %v", err)
+	}
+	g, fds := settled(g0, f0, 2*time.Second)
+	out.printf("bye completed=%d failed=%d inflight=%d tasks_aborted=%d aborts_received=%d abort_events=%d other_events=%d events_dropped=%d goroutines_before=%d goroutines_after=%d fds_before=%d fds_after=%d",
+		st.TasksCompleted, st.TasksFailed, st.TasksInFlight, st.TasksAborted, st.AbortsReceived, abortEvents, otherEvents,
+		st.EventsDropped, g0, g, f0, fds)
+	return 0
+}
+
+// writeRequest writes one request: per layer, its pattern is "computed"
+// into the source and the layer's pages go out as one batch submit (as
+// SGLang writes KV layer by layer), then it waits for all of them. It
+// returns the "done" line.
+func writeRequest(e *engine.Engine, seg *engine.Segment, j job, src []byte) string {
+	b, err := e.AllocateBatch(j.layers * j.pages)
+	if err != nil {
+		return fmt.Sprintf("done %d SUBMIT_FAILED 0 0 %q", j.rid, err.Error())
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var submitErr error
+	reqs := make([]engine.Request, j.pages)
+	for l := range j.layers {
+		for p := range j.pages {
+			k := l*j.pages + p
+			loc := src[k*j.pageSize : (k+1)*j.pageSize]
+			fillSlot(loc, holder{tag: j.rid, pos: p}, l)
+			reqs[p] = engine.Request{Op: engine.Write, Local: engine.AddrOf(loc), Segment: seg, Remote: j.addrs[k],
+				Length: uint64(j.pageSize), RequestID: j.rid, Generation: j.gen}
+		}
+		if submitErr = b.Submit(ctx, reqs); submitErr != nil {
+			break
+		}
+	}
+	if err := b.Wait(ctx); err != nil {
+		b.Cancel()
+	}
+	res := b.Results()
+	if err := b.Free(); err != nil {
+		return fmt.Sprintf("done %d SUBMIT_FAILED 0 %d %q", j.rid, len(res), "free: "+err.Error())
+	}
+	status, moved, firstErr := engine.Completed, uint64(0), error(nil)
+	for _, r := range res {
+		moved += r.Transferred
+		if r.Status != engine.Completed && firstErr == nil {
+			firstErr = r.Err
+		}
+		if rank(r.Status) > rank(status) {
+			status = r.Status
+		}
+	}
+	name := status.String()
+	if submitErr != nil {
+		name, firstErr = "SUBMIT_FAILED", errors.Join(submitErr, firstErr)
+	}
+	msg := ""
+	if firstErr != nil {
+		msg = firstErr.Error()
+	}
+	return fmt.Sprintf("done %d %s %d %d %q", j.rid, name, moved, len(res), msg)
+}
+
+// rank orders task states for a request's summary: the worst one names it.
+func rank(s engine.TaskStatus) int {
+	switch s {
+	case engine.Completed:
+		return 0
+	case engine.Aborted:
+		return 1
+	case engine.Canceled:
+		return 2
+	case engine.Timeout:
+		return 3
+	}
+	return 4 // FAILED, or anything not final
+}

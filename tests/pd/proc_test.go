@@ -1,0 +1,240 @@
+package pd
+
+import (
+	"bufio"
+	"bytes"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// outcome is the prefill's "done" line for one request.
+type outcome struct {
+	status string // a task status (COMPLETED, ABORTED, ...) or SUBMIT_FAILED
+	moved  uint64 // bytes the prefill's engine confirmed landed
+	line   string
+}
+
+// prefillProc is the running prefill process, seen from decode: the
+// bootstrap channel (its stdin and stdout) and its segment name.
+type prefillProc struct {
+	cmd  *exec.Cmd
+	name string // its segment name
+
+	inMu  sync.Mutex
+	stdin *bufio.Writer
+	pipe  interface{ Close() error }
+
+	mu      sync.Mutex
+	waiters map[uint64]chan outcome
+	strays  []string // lines that matched nothing: reported by finish
+
+	bye        chan string   // the "bye" line
+	readerDone chan struct{} // stdout reached its end
+	waited     bool
+}
+
+// startPrefill runs the test binary as the prefill process, tells it
+// decode's segment name and waits for its own. The process is stopped
+// (resumed if paused, stdin closed, killed if it lingers) when the test
+// ends.
+func startPrefill(t *testing.T, cfg prefillConfig, decodeName string) *prefillProc {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(exe, "-test.run=^$")
+	cmd.Env = append(os.Environ(), cfg.env()...)
+	// An *os.File: exec copies nothing itself, so the leak check counts no
+	// goroutine of ours.
+	cmd.Stderr = os.Stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start prefill: %v", err)
+	}
+	p := &prefillProc{cmd: cmd, stdin: bufio.NewWriter(stdin), pipe: stdin, waiters: map[uint64]chan outcome{},
+		bye: make(chan string, 1), readerDone: make(chan struct{})}
+	first := make(chan string, 1)
+	go p.read(stdout, first)
+	t.Cleanup(func() { p.stop(t) })
+	select {
+	case l := <-first:
+		f := strings.Fields(l)
+		if len(f) != 2 || f[0] != "prefill" {
+			t.Fatalf("prefill said %q first", l)
+		}
+		p.name = f[1]
+	case <-p.readerDone:
+		t.Fatal("prefill exited before naming its segment")
+	case <-time.After(60 * time.Second):
+		t.Fatal("prefill did not name its segment within 60s")
+	}
+	p.sendLine(t, "segment "+decodeName)
+	return p
+}
+
+// read dispatches the prefill's stdout lines: the first to first, "done"
+// lines to the request's waiter, "bye" to p.bye.
+func (p *prefillProc) read(stdout interface{ Read([]byte) (int, error) }, first chan<- string) {
+	defer close(p.readerDone)
+	sc := bufio.NewScanner(stdout)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for n := 0; sc.Scan(); n++ {
+		l := sc.Text()
+		if n == 0 {
+			first <- l
+			continue
+		}
+		f := strings.Fields(l)
+		switch {
+		case len(f) >= 4 && f[0] == "done":
+			rid, err1 := strconv.ParseUint(f[1], 10, 64)
+			moved, err2 := strconv.ParseUint(f[3], 10, 64)
+			p.mu.Lock()
+			ch := p.waiters[rid]
+			delete(p.waiters, rid)
+			if ch == nil || err1 != nil || err2 != nil {
+				p.strays = append(p.strays, l)
+			}
+			p.mu.Unlock()
+			if ch != nil {
+				ch <- outcome{status: f[2], moved: moved, line: l}
+			}
+		case len(f) >= 1 && f[0] == "bye":
+			p.bye <- l
+		default:
+			p.mu.Lock()
+			p.strays = append(p.strays, l)
+			p.mu.Unlock()
+		}
+	}
+}
+
+func (p *prefillProc) sendLine(t *testing.T, l string) {
+	p.inMu.Lock()
+	defer p.inMu.Unlock()
+	_, err := p.stdin.WriteString(l + "\n")
+	if err == nil {
+		err = p.stdin.Flush()
+	}
+	if err != nil {
+		t.Errorf("write to prefill: %v", err)
+	}
+}
+
+// send asks the prefill to write request rid at gen into addrs (layer-major)
+// and returns the channel its outcome arrives on.
+func (p *prefillProc) send(t *testing.T, rid uint64, gen uint32, layers, pages, pageSize int, addrs []uint64) <-chan outcome {
+	ch := make(chan outcome, 1)
+	p.mu.Lock()
+	p.waiters[rid] = ch
+	p.mu.Unlock()
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "request %d %d %d %d %d", rid, gen, layers, pages, pageSize)
+	for _, a := range addrs {
+		sb.WriteByte(' ')
+		sb.WriteString(strconv.FormatUint(a, 10))
+	}
+	p.sendLine(t, sb.String())
+	return ch
+}
+
+// finish closes the prefill's stdin, waits for its "bye" line and its exit,
+// and returns the bye line's key=value pairs. Lines that matched no request
+// are errors.
+func (p *prefillProc) finish(t *testing.T, d time.Duration) map[string]int64 {
+	t.Helper()
+	p.inMu.Lock()
+	_ = p.pipe.Close()
+	p.inMu.Unlock()
+	var l string
+	select {
+	case l = <-p.bye:
+	case <-time.After(d):
+		t.Fatalf("prefill did not say bye within %v of its stdin closing", d)
+	}
+	select {
+	case <-p.readerDone:
+	case <-time.After(d):
+		t.Fatalf("prefill's stdout still open %v after bye", d)
+	}
+	p.waited = true
+	if err := p.cmd.Wait(); err != nil {
+		t.Errorf("prefill exited: %v", err)
+	}
+	p.mu.Lock()
+	for _, s := range p.strays {
+		t.Errorf("prefill said %q, which matched no request", s)
+	}
+	p.mu.Unlock()
+	kv := map[string]int64{}
+	for _, f := range strings.Fields(l)[1:] {
+		k, v, ok := strings.Cut(f, "=")
+		n, err := strconv.ParseInt(v, 10, 64)
+		if !ok || err != nil {
+			t.Errorf("prefill's bye line %q: bad field %q", l, f)
+			continue
+		}
+		kv[k] = n
+	}
+	return kv
+}
+
+// stop ends the process if finish did not: resumes it (it may be paused),
+// closes its stdin, and kills it if it has not exited 10 s later.
+func (p *prefillProc) stop(t *testing.T) {
+	if p.waited {
+		return
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGCONT)
+	p.inMu.Lock()
+	_ = p.pipe.Close()
+	p.inMu.Unlock()
+	select {
+	case <-p.readerDone:
+	case <-time.After(10 * time.Second):
+		t.Errorf("prefill %d did not exit within 10s of its stdin closing; killing it", p.cmd.Process.Pid)
+		_ = p.cmd.Process.Kill()
+		<-p.readerDone
+	}
+	p.waited = true
+	_ = p.cmd.Wait()
+}
+
+// signal sends sig to the prefill; for SIGSTOP it waits until the process
+// is stopped, so that nothing it does afterwards can be mistaken for what
+// it did before.
+func (p *prefillProc) signal(t *testing.T, sig syscall.Signal) {
+	t.Helper()
+	if err := p.cmd.Process.Signal(sig); err != nil {
+		t.Fatalf("signal %v: %v", sig, err)
+	}
+	if sig != syscall.SIGSTOP {
+		return
+	}
+	stat := fmt.Sprintf("/proc/%d/stat", p.cmd.Process.Pid)
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		b, err := os.ReadFile(stat)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i := bytes.LastIndexByte(b, ')'); i >= 0 && i+2 < len(b) && b[i+2] == 'T' {
+			return
+		}
+	}
+	t.Fatal("prefill did not stop within 5s")
+}

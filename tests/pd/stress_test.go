@@ -1,0 +1,539 @@
+package pd
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvferry/kvferry/engine"
+)
+
+// fate is when decode aborts a request.
+type fate int
+
+const (
+	fateNone   fate = iota // not aborted: must complete with its pattern intact
+	fateBefore             // aborted before the prefill hears of it
+	fateDuring             // aborted while its pages are being written
+	fateAfter              // aborted after it completed (a client that left late)
+	nfates
+)
+
+func (f fate) String() string {
+	return [...]string{"none", "before", "during", "after"}[f]
+}
+
+// Where corruption was found.
+const (
+	atCompletion = iota // a request's slots when the prefill reported it completed
+	atReuse             // a page's slots just before its next holder took it
+	atEnd               // every slot, once decode's engine was closed
+	nwhere
+)
+
+var whereNames = [nwhere]string{"at completion", "before reuse", "at the end"}
+
+// stressConfig shapes one stress run.
+type stressConfig struct {
+	requests int // requests in the run
+	lanes    int // requests decode keeps in flight
+	// A request is layers batches of pages WRITEs of pageSize bytes; the
+	// prefill cuts each page into slices of slice bytes over paths
+	// connections.
+	layers, pages, pageSize int
+	slice, paths            int
+	poolPages               int           // page indices in decode's pool (each a slot per layer)
+	applyDelay              time.Duration // decode's Options.Testing.ApplyDelay
+	unsafe                  bool          // Options.Testing.UnsafeAbort on both sides
+	seed                    uint64
+	// Fates, in percent; the rest are not aborted. Half of the during
+	// aborts wait until the request's first page starts landing, the other
+	// half a random delay below duringMax.
+	before, during, after int
+	duringMax             time.Duration
+	abortDeadline         time.Duration
+}
+
+// stressResult is what a run found.
+type stressResult struct {
+	bad, old     [nwhere]uint64 // corrupted bytes; those that are an earlier request's pattern
+	notes        []string       // the first corruptions, described
+	fates        [nfates]int
+	outcomes     [nfates]map[string]int
+	aborts       int
+	notSafe      int
+	abortTimes   []time.Duration
+	decode       engine.Stats // decode's counters after the run, before Close
+	prefill      map[string]int64
+	elapsed      time.Duration
+	bytesMoved   uint64
+	corruptPage  int // pages with corruption
+	decodeEvents map[engine.EventKind]int
+}
+
+func (r *stressResult) totalBad() (bad, old uint64) {
+	for i := range r.bad {
+		bad += r.bad[i]
+		old += r.old[i]
+	}
+	return bad, old
+}
+
+// recorder collects a run's findings from its lanes.
+type recorder struct {
+	mu  sync.Mutex
+	res *stressResult
+}
+
+func (rc *recorder) corrupt(where, pg int, holderTag uint64, d damage) {
+	rc.mu.Lock()
+	defer rc.mu.Unlock()
+	rc.res.bad[where] += d.bad
+	rc.res.old[where] += d.old
+	rc.res.corruptPage++
+	if len(rc.res.notes) < 8 {
+		rc.res.notes = append(rc.res.notes, fmt.Sprintf("%s: page %d (holder %#x): %d bad bytes (%d an earlier request's), first at byte %d: %#016x, want %#016x",
+			whereNames[where], pg, holderTag, d.bad, d.old, d.at, d.got, d.exp))
+	}
+}
+
+// runStress runs decode (this process, the owner of a slot pool) against a
+// prefill process and returns what it found. It fails the test for what
+// must hold in either mode: every request ends (COMPLETED, or ABORTED when
+// aborted), every Abort returns by its deadline, every abort is
+// acknowledged, and nothing leaks: goroutines and file descriptors of
+// decode (counted here) and of the prefill (counted there), decode's
+// registry and request table.
+func runStress(t *testing.T, cfg stressConfig) *stressResult {
+	t.Helper()
+	res := &stressResult{}
+	for i := range res.outcomes {
+		res.outcomes[i] = map[string]int{}
+	}
+	rc := &recorder{res: res}
+
+	// Leak baseline, before anything of the run exists.
+	if err := warmUp(); err != nil {
+		t.Fatal(err)
+	}
+	g0 := runtime.NumGoroutine()
+	f0, fdsBefore, err := processFDs()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	d, err := engine.New(engine.Options{IgnoreEnv: true,
+		Testing: engine.Testing{UnsafeAbort: cfg.unsafe, ApplyDelay: cfg.applyDelay}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := false
+	t.Cleanup(func() {
+		if !closed {
+			_ = d.Close()
+		}
+	})
+	// An application takes its events; count them by kind. The channel
+	// closes with the engine.
+	var decodeEvents map[engine.EventKind]int
+	evDone := make(chan struct{})
+	go func() {
+		defer close(evDone)
+		m := map[engine.EventKind]int{}
+		for ev := range d.Events() {
+			m[ev.Kind]++
+		}
+		decodeEvents = m
+	}()
+	mem, err := d.AllocBuffer(cfg.layers*cfg.poolPages*cfg.pageSize, "cpu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	freed := false
+	t.Cleanup(func() {
+		if !freed {
+			_ = d.FreeBuffer(engine.AddrOf(mem))
+		}
+	})
+	pool := newSlotPool(mem, cfg.layers, cfg.poolPages, cfg.pageSize)
+	base := d.Stats()
+
+	pp := startPrefill(t, prefillConfig{unsafe: cfg.unsafe, slice: cfg.slice, paths: cfg.paths,
+		workers: 2 * cfg.lanes, srcSize: cfg.layers * cfg.pages * cfg.pageSize}, d.Name())
+
+	abort := func(rid uint64) {
+		ctx, cancel := context.WithTimeout(context.Background(), cfg.abortDeadline)
+		defer cancel()
+		start := time.Now()
+		ar, err := d.Abort(ctx, rid, []string{pp.name})
+		took := time.Since(start)
+		rc.mu.Lock()
+		defer rc.mu.Unlock()
+		res.aborts++
+		res.abortTimes = append(res.abortTimes, took)
+		if err != nil || !ar.Safe {
+			res.notSafe++
+			if res.notSafe <= 5 {
+				t.Errorf("Abort(%d) = %+v, %v after %v; want Safe", rid, ar, err, took)
+			}
+		}
+		if took > cfg.abortDeadline+500*time.Millisecond {
+			t.Errorf("Abort(%d) returned %v after its call, its deadline was %v", rid, took, cfg.abortDeadline)
+		}
+	}
+	// reuse gives an aborted request's pages to decode itself at once,
+	// with a pattern of its own, and frees them.
+	reuse := func(rid uint64, pgs []int) {
+		for j, pg := range pgs {
+			pool.assign(pg, holder{tag: reuseTag(rid), pos: j})
+			pool.fill(pg)
+		}
+		pool.put(pgs)
+	}
+	wait := func(rid uint64, ch <-chan outcome) (outcome, bool) {
+		select {
+		case o := <-ch:
+			return o, true
+		case <-pp.readerDone:
+			select {
+			case o := <-ch: // reported, then exited
+				return o, true
+			default:
+			}
+			t.Errorf("request %d: the prefill exited before reporting it", rid)
+			return outcome{}, false
+		case <-time.After(time.Minute):
+			t.Errorf("request %d: no outcome from the prefill within a minute", rid)
+			return outcome{}, false
+		}
+	}
+	type pendingReq struct {
+		rid uint64
+		f   fate
+		ch  <-chan outcome
+	}
+	var pendMu sync.Mutex
+	var pending []pendingReq
+	var failed atomic.Bool // stop early on a broken run rather than time out
+
+	var next atomic.Int64
+	start := time.Now()
+	lane := func() {
+		addrs := make([]uint64, cfg.layers*cfg.pages)
+		for !failed.Load() {
+			i := next.Add(1)
+			if i > int64(cfg.requests) {
+				return
+			}
+			rid := uint64(i)
+			rng := rand.New(rand.NewPCG(cfg.seed, rid))
+			f := fateNone
+			switch n := rng.IntN(100); {
+			case n < cfg.before:
+				f = fateBefore
+			case n < cfg.before+cfg.during:
+				f = fateDuring
+			case n < cfg.before+cfg.during+cfg.after:
+				f = fateAfter
+			}
+			pgs := pool.take(cfg.pages)
+			for j, pg := range pgs {
+				if dmg := pool.check(pg); dmg.bad > 0 {
+					rc.corrupt(atReuse, pg, pool.state[pg].cur.tag, dmg)
+				}
+				pool.assign(pg, holder{tag: rid, pos: j})
+				for l := range cfg.layers {
+					addrs[l*cfg.pages+j] = engine.AddrOf(pool.slot(l, pg))
+				}
+			}
+			rc.mu.Lock()
+			res.fates[f]++
+			rc.mu.Unlock()
+			switch f {
+			case fateNone, fateAfter:
+				o, ok := wait(rid, pp.send(t, rid, 0, cfg.layers, cfg.pages, cfg.pageSize, addrs))
+				if !ok {
+					failed.Store(true)
+					return
+				}
+				rc.mu.Lock()
+				res.outcomes[f][o.status]++
+				rc.mu.Unlock()
+				if o.status != engine.Completed.String() {
+					t.Errorf("request %d (not aborted before it completed): %s", rid, o.line)
+					failed.Store(true)
+				}
+				for _, pg := range pgs {
+					if dmg := pool.check(pg); dmg.bad > 0 {
+						rc.corrupt(atCompletion, pg, rid, dmg)
+					}
+				}
+				if f == fateAfter {
+					abort(rid)
+					reuse(rid, pgs)
+				} else {
+					pool.put(pgs)
+				}
+			case fateBefore:
+				// The prefill hears of the request only after the abort
+				// (a request aborted while queued at the prefill).
+				abort(rid)
+				reuse(rid, pgs)
+				ch := pp.send(t, rid, 0, cfg.layers, cfg.pages, cfg.pageSize, addrs)
+				pendMu.Lock()
+				pending = append(pending, pendingReq{rid, f, ch})
+				pendMu.Unlock()
+			case fateDuring:
+				ch := pp.send(t, rid, 0, cfg.layers, cfg.pages, cfg.pageSize, addrs)
+				var early *outcome
+				if rng.IntN(2) == 0 {
+					// Until the first word of one of its layer-0 pages
+					// landed: frames of it are certainly on their way.
+					want := make([]uint64, cfg.pages)
+					for j := range want {
+						want[j], _ = patternOf(holder{tag: rid, pos: j}, 0)
+					}
+					landed := func() bool {
+						for j, pg := range pgs {
+							if words(pool.slot(0, pg))[0] == want[j] {
+								return true
+							}
+						}
+						return false
+					}
+					for end := time.Now().Add(30 * time.Second); early == nil && !landed(); {
+						select {
+						case o := <-ch:
+							early = &o
+						case <-time.After(20 * time.Microsecond):
+						}
+						if time.Now().After(end) {
+							t.Errorf("request %d: none of its pages began to land within 30s", rid)
+							failed.Store(true)
+							break
+						}
+					}
+				} else {
+					select {
+					case o := <-ch:
+						early = &o
+					case <-time.After(time.Duration(rng.Int64N(int64(cfg.duringMax)))):
+					}
+				}
+				if early != nil && early.status == engine.Completed.String() {
+					// It completed before the abort: its pages are whole.
+					for _, pg := range pgs {
+						if dmg := pool.check(pg); dmg.bad > 0 {
+							rc.corrupt(atCompletion, pg, rid, dmg)
+						}
+					}
+				}
+				abort(rid)
+				reuse(rid, pgs)
+				if early != nil {
+					done := make(chan outcome, 1)
+					done <- *early
+					ch = done
+				}
+				pendMu.Lock()
+				pending = append(pending, pendingReq{rid, f, ch})
+				pendMu.Unlock()
+			}
+		}
+	}
+	var wg sync.WaitGroup
+	for range cfg.lanes {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			lane()
+		}()
+	}
+	wg.Wait()
+
+	// The aborted requests' outcomes: ABORTED, or COMPLETED when the
+	// abort came too late to stop anything (during) or protection was off.
+	for _, p := range pending {
+		o, ok := wait(p.rid, p.ch)
+		if !ok {
+			break
+		}
+		res.outcomes[p.f][o.status]++
+		okStatus := o.status == engine.Aborted.String() ||
+			(o.status == engine.Completed.String() && (p.f == fateDuring || cfg.unsafe))
+		if !okStatus {
+			t.Errorf("request %d (aborted %s): %s", p.rid, p.f, o.line)
+		}
+	}
+	res.elapsed = time.Since(start)
+
+	// Every abort is acknowledged (promise 2; on tcp Safe does not wait
+	// for it), so the prefill has heard them all before it leaves.
+	ackDeadline := time.Now().Add(30 * time.Second)
+	for d.Stats().AbortAcks < uint64(res.aborts) && time.Now().Before(ackDeadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if st := d.Stats(); st.AbortAcks != uint64(res.aborts) {
+		t.Errorf("decode has %d ABORT_ACKs (%d unmatched) for %d aborts, 30s after the last", st.AbortAcks, st.AcksUnmatched, res.aborts)
+	}
+	res.prefill = pp.finish(t, 30*time.Second)
+	res.decode = d.Stats()
+	res.bytesMoved = res.decode.OwnerBytesIn
+
+	// Leaks of the prefill, counted there.
+	bye := res.prefill
+	if bye["inflight"] != 0 || bye["events_dropped"] != 0 {
+		t.Errorf("prefill: %d tasks in flight, %d events dropped at the end; want 0 and 0", bye["inflight"], bye["events_dropped"])
+	}
+	if bye["goroutines_after"] > bye["goroutines_before"] || bye["fds_after"] > bye["fds_before"] {
+		t.Errorf("prefill leaked: goroutines %d -> %d, file descriptors %d -> %d",
+			bye["goroutines_before"], bye["goroutines_after"], bye["fds_before"], bye["fds_after"])
+	}
+	if bye["abort_events"] != int64(res.aborts) {
+		t.Errorf("prefill got %d EventAborted for %d aborts; want one each", bye["abort_events"], res.aborts)
+	}
+
+	// Decode's registry and request table: back to the baseline, only
+	// tombstones left (one per aborted request id; the unsafe mode keeps
+	// none).
+	st := res.decode
+	wantTombs := int64(res.aborts)
+	if cfg.unsafe {
+		wantTombs = 0
+	}
+	if st.Registrations != base.Registrations || st.Grants != 0 || int64(st.RequestStates) != st.Tombstones || st.Tombstones != wantTombs {
+		t.Errorf("decode after the run: %d registrations (%d before), %d grants, %d request states, %d tombstones; want %d, 0, only the %d tombstones",
+			st.Registrations, base.Registrations, st.Grants, st.RequestStates, st.Tombstones, base.Registrations, wantTombs)
+	}
+	if st.AbortsSafe != uint64(res.aborts-res.notSafe) || st.AbortsNotSafe != uint64(res.notSafe) {
+		t.Errorf("decode counted %d safe and %d unsafe aborts; the calls saw %d and %d", st.AbortsSafe, st.AbortsNotSafe, res.aborts-res.notSafe, res.notSafe)
+	}
+
+	// Close cuts every connection and returns once no goroutine of the
+	// engine remains, so no write can land after it: the last check.
+	if err := d.Close(); err != nil {
+		t.Errorf("decode close: %v", err)
+	}
+	closed = true
+	<-evDone
+	res.decodeEvents = decodeEvents
+	for pg := range pool.state {
+		if dmg := pool.check(pg); dmg.bad > 0 {
+			rc.corrupt(atEnd, pg, pool.state[pg].cur.tag, dmg)
+		}
+	}
+	if err := d.FreeBuffer(engine.AddrOf(mem)); err != nil {
+		t.Error(err)
+	}
+	freed = true
+
+	// Decode's leaks, counted here against the baseline.
+	g, f := settled(g0, f0, 3*time.Second)
+	if g > g0 {
+		buf := make([]byte, 1<<20)
+		buf = buf[:runtime.Stack(buf, true)]
+		t.Errorf("decode goroutines: %d before the run, %d after\n%s", g0, g, buf)
+	}
+	if f > f0 {
+		_, fdsAfter, _ := processFDs()
+		t.Errorf("decode file descriptors: %d before the run, %d after\nbefore:\n%s\nafter:\n%s",
+			f0, f, strings.Join(fdsBefore, "\n"), strings.Join(fdsAfter, "\n"))
+	}
+	res.log(t, cfg)
+	return res
+}
+
+// log reports a run.
+func (r *stressResult) log(t *testing.T, cfg stressConfig) {
+	t.Helper()
+	bad, old := r.totalBad()
+	lat := slices.Clone(r.abortTimes)
+	slices.Sort(lat)
+	pct := func(p float64) time.Duration {
+		if len(lat) == 0 {
+			return 0
+		}
+		return lat[min(len(lat)-1, int(p*float64(len(lat))))]
+	}
+	t.Logf("%d requests in %v (%.0f/s), %d MiB landed at decode; %d lanes, %d layers x %d pages of %d KiB, slices of %d KiB over %d paths, apply delay %v, unsafe %v",
+		cfg.requests, r.elapsed.Round(time.Millisecond), float64(cfg.requests)/r.elapsed.Seconds(), r.bytesMoved>>20,
+		cfg.lanes, cfg.layers, cfg.pages, cfg.pageSize>>10, cfg.slice>>10, cfg.paths, cfg.applyDelay, cfg.unsafe)
+	for f := range nfates {
+		t.Logf("  fate %-6s %5d requests, outcomes %v", fate(f), r.fates[f], r.outcomes[f])
+	}
+	t.Logf("  %d aborts (%d not safe), call to return p50 %v p99 %v max %v", r.aborts, r.notSafe, pct(0.5), pct(0.99), pct(1))
+	st := r.decode
+	t.Logf("  decode: refused %d (in flight %d), ABORT_ACKs %d (unmatched %d), resends %d, tombstones %d, request states %d",
+		st.OwnerRefused, st.RefusedInFlight, st.AbortAcks, st.AcksUnmatched, st.AbortResends, st.Tombstones, st.RequestStates)
+	t.Logf("  decode events %v (dropped %d); prefill: %v", r.decodeEvents, st.EventsDropped, r.prefill)
+	t.Logf("  corrupted bytes %d (%d of them an earlier request's pattern), found by %d page checks: %s %d, %s %d, %s %d",
+		bad, old, r.corruptPage, whereNames[0], r.bad[0], whereNames[1], r.bad[1], whereNames[2], r.bad[2])
+	for _, n := range r.notes {
+		t.Logf("    %s", n)
+	}
+}
+
+// baseStress is the shape both stress tests share: 4 layers of 2 pages of
+// 32 KiB, cut into 16 KiB slices (16 slices a request, 4 batches), over 8
+// paths.
+func baseStress() stressConfig {
+	return stressConfig{
+		lanes: 8, layers: 4, pages: 2, pageSize: 32 << 10, slice: 16 << 10, paths: 8,
+		poolPages: 8 * 2 * 4, seed: 0x5eed_4b1d,
+		before: 10, during: 20, after: 10, duringMax: 4 * time.Millisecond,
+		abortDeadline: 10 * time.Second,
+	}
+}
+
+// TestPDStressProtected: with protection on, decode aborts thousands of
+// requests at random moments and reuses their slots at once; no byte of a
+// slot's current holder is ever overwritten, every abort is Safe, and some
+// aborts refused bytes that were already in flight.
+func TestPDStressProtected(t *testing.T) {
+	cfg := baseStress()
+	cfg.requests = 10000
+	if testing.Short() {
+		cfg.requests = 2000
+	}
+	// Each path's owner pauses after admitting a frame: frames are in
+	// flight at most aborts. (Go sleeps at least about 1 ms here.)
+	cfg.applyDelay = 50 * time.Microsecond
+	r := runStress(t, cfg)
+	if bad, old := r.totalBad(); bad != 0 {
+		t.Errorf("%d corrupted bytes (%d of them an aborted request's pattern) with protection on; want 0", bad, old)
+	}
+	if r.notSafe != 0 {
+		t.Errorf("%d of %d aborts not Safe", r.notSafe, r.aborts)
+	}
+	if r.decode.RefusedInFlight == 0 {
+		t.Errorf("no refusal struck a frame in flight (refused %d in all): the race this test is for never happened", r.decode.OwnerRefused)
+	}
+}
+
+// TestPDStressUnprotectedFindsCorruption: the same run with the protection
+// off (no owner refusal, ABORT_ACK on "heard", as SGLang's abort works
+// today) finds an aborted request's pattern in slots decode had reused: the
+// checks of TestPDStressProtected can fail, and what they guard against is
+// real.
+func TestPDStressUnprotectedFindsCorruption(t *testing.T) {
+	cfg := baseStress()
+	cfg.requests = 300
+	cfg.unsafe = true
+	// A long pause per frame: when decode aborts, frames are certainly
+	// still on the wire, and land after the slots were reused.
+	cfg.applyDelay = 2 * time.Millisecond
+	cfg.before, cfg.during, cfg.after = 5, 50, 5
+	cfg.duringMax = 20 * time.Millisecond
+	r := runStress(t, cfg)
+	bad, old := r.totalBad()
+	if old == 0 {
+		t.Errorf("no aborted request's pattern found in a reused slot (%d corrupted bytes in all): the unsafe abort should let late writes land", bad)
+	}
+}
