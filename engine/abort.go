@@ -21,7 +21,7 @@ const MaxAbortInitiators = 1024
 // peer's connection breaks, so resends are rare; the backoff keeps a dead
 // initiator from costing more than a message every abortResendMax.
 const (
-	abortResendFirst = 2 * time.Millisecond
+	abortResendFirst = 10 * time.Millisecond
 	abortResendMax   = 200 * time.Millisecond
 )
 
