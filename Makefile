@@ -45,6 +45,9 @@ fuzz-short:
 	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeEnvelope$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeDescriptor$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzUnpackBody$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeAbortMsg$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeAbortAck$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeNotification$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/transport/tcp -run='^$$' -fuzz='^FuzzHeaderDecode$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 
 # Throughput against the raw-tcp baseline of the same run, and Go benchmarks.

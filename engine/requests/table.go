@@ -371,6 +371,7 @@ func (t *Table) Grant(initiator string, rid uint64, ranges []Range) (Grant, erro
 	st.grants = append(st.grants, g)
 	out := *g
 	sh.mu.Unlock()
+	out.Ranges = append([]Range(nil), g.Ranges...) // the caller's copy: editing it changes nothing enforced
 	return out, nil
 }
 
