@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -237,9 +238,11 @@ func (g *guard) Leave() {
 	sh.mu.Lock()
 	st := sh.m[g.rid]
 	st.active--
+	woke := false
 	if st.active == 0 {
 		for _, w := range st.waiters {
 			close(w)
+			woke = true
 		}
 		st.waiters = nil
 		if !st.keep() {
@@ -248,6 +251,12 @@ func (g *guard) Leave() {
 	}
 	sh.mu.Unlock()
 	g.reg.Leave()
+	if woke {
+		// The woken Abort waits in this P's runnext while the copying
+		// goroutine streams on, up to a 10 ms preemption when data keeps
+		// coming: hand the P over so the abort returns now.
+		runtime.Gosched()
+	}
 }
 
 // waitLocked returns a channel closed once no chunk of st is in progress,

@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"runtime"
 	"syscall"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -20,7 +22,8 @@ type guard = transport.Guard
 // Go's netpoller (which honours the connection's deadlines) between them.
 type rawConn struct {
 	rc      syscall.RawConn
-	scratch []byte // where refused bytes are read to, and zeros are written from
+	scratch []byte   // where refused bytes are read to, and zeros are written from
+	iovLim  [][]byte // reused by writevGuards
 }
 
 func newRawConn(rc syscall.RawConn) *rawConn {
@@ -38,6 +41,61 @@ func (c *rawConn) readFull(p []byte) error {
 // way, so this bounds that wait (about 30 us at memcpy speed) at the cost of
 // a syscall per 256 KiB.
 const maxGuardedCopy = 256 << 10
+
+// rawIO is readv(2) or writev(2) (nr) of the non-empty parts of a, b and c
+// on a non-blocking socket, made without entering the scheduler
+// (RawSyscall): the goroutine keeps its P during the call, so the guard
+// held around it is left as soon as the kernel's copy (at most
+// maxGuardedCopy bytes, tens of microseconds) is done. With a normal
+// syscall the runtime may hand the P to another goroutine meanwhile, and
+// the guard then stays held until a P is free again: milliseconds on a busy
+// machine, which an abort waiting for the copy would pay.
+func rawIO(nr uintptr, fd int, a, b, c []byte) (int, error) {
+	var iov [3]unix.Iovec
+	k := 0
+	for _, p := range [3][]byte{a, b, c} {
+		if len(p) > 0 {
+			iov[k].Base = &p[0]
+			iov[k].SetLen(len(p))
+			k++
+		}
+	}
+	return rawIovec(nr, fd, iov[:k])
+}
+
+// rawWritev is writev(2) of parts like rawIO, for up to maxRawIov parts
+// (the rest waits for the next call).
+func rawWritev(fd int, parts [][]byte) (int, error) {
+	var iov [maxRawIov]unix.Iovec
+	k := 0
+	for _, p := range parts {
+		if k == len(iov) {
+			break
+		}
+		if len(p) > 0 {
+			iov[k].Base = &p[0]
+			iov[k].SetLen(len(p))
+			k++
+		}
+	}
+	return rawIovec(unix.SYS_WRITEV, fd, iov[:k])
+}
+
+// maxRawIov bounds the parts of one raw writev: a gathered READ answer has
+// three per READ plus the held answers.
+const maxRawIov = 3*maxGatheredReads + 1
+
+func rawIovec(nr uintptr, fd int, iov []unix.Iovec) (int, error) {
+	if len(iov) == 0 {
+		return 0, nil
+	}
+	n, _, errno := unix.RawSyscall(nr, uintptr(fd), uintptr(unsafe.Pointer(&iov[0])), uintptr(len(iov)))
+	runtime.KeepAlive(iov)
+	if errno != 0 {
+		return 0, errno
+	}
+	return int(n), nil
+}
 
 // readGuarded fills dst from the socket, entering g around each read. Once
 // g refuses, the remaining bytes are read and discarded so the stream stays
@@ -80,6 +138,8 @@ func (c *rawConn) readv(dst, tail []byte, g guard, wait bool) (nd, nt int, refus
 		}
 		for {
 			switch {
+			case guarded:
+				n, opErr = rawIO(unix.SYS_READV, int(fd), dst, tail, nil)
 			case len(tail) == 0:
 				n, opErr = unix.Read(int(fd), dst)
 			case len(dst) == 0:
@@ -169,9 +229,12 @@ func (c *rawConn) writeGuarded(hdr, payload []byte, g guard, trailer ...byte) (s
 				}
 			}
 			for {
-				if len(parts) == 1 {
+				switch {
+				case usesPayload && g != nil:
+					n, opErr = rawIO(unix.SYS_WRITEV, int(fd), hdr[h:], pl, tr)
+				case len(parts) == 1:
 					n, opErr = unix.Write(int(fd), parts[0])
-				} else {
+				default:
 					n, opErr = unix.Writev(int(fd), parts)
 				}
 				if opErr != unix.EINTR {
@@ -219,6 +282,16 @@ func (c *rawConn) writevGuards(iov [][]byte, guards []transport.Guard) error {
 	for len(iov) > 0 {
 		var n int
 		var opErr, refusal error
+		// At most maxGuardedCopy bytes per syscall, as for single copies.
+		lim, total := iov, 0
+		for i, v := range iov {
+			if total+len(v) > maxGuardedCopy {
+				c.iovLim = append(append(c.iovLim[:0], iov[:i]...), v[:maxGuardedCopy-total])
+				lim = c.iovLim
+				break
+			}
+			total += len(v)
+		}
 		werr := c.rc.Write(func(fd uintptr) bool {
 			for i, g := range guards {
 				if e := g.Enter(); e != nil {
@@ -230,7 +303,7 @@ func (c *rawConn) writevGuards(iov [][]byte, guards []transport.Guard) error {
 				}
 			}
 			for {
-				n, opErr = unix.Writev(int(fd), iov)
+				n, opErr = rawWritev(int(fd), lim)
 				if opErr != unix.EINTR {
 					break
 				}
