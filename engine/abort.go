@@ -109,7 +109,9 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		gen = e.reqs.Generation(requestID) + 1
 	} else {
 		var err error
-		gen, inProgress, err = e.reqs.Abort(requestID, named == 0)
+		// An abort that names no initiator can never be acknowledged:
+		// its tombstone stays until the cap forces it out.
+		gen, inProgress, err = e.reqs.Abort(requestID, false)
 		if err != nil {
 			return AbortResult{}, fmt.Errorf("abort: %w", err)
 		}
@@ -345,6 +347,9 @@ type tombstone struct {
 // answers with ABORT_ACK.
 func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte) {
 	m, err := control.DecodeAbortMsg(body)
+	if err == nil && m.Generation == 0 {
+		err = fmt.Errorf("%w: ABORT below generation 0 aborts nothing", control.ErrMalformed)
+	}
 	if err != nil {
 		e.controlMalformed("ABORT", from, err)
 		return 0, nil
@@ -362,7 +367,9 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 		var ack control.AbortAck
 		drained := tb.drained
 		if drained {
-			ack = control.AbortAck{RequestID: m.RequestID, Generation: tb.minGen, Outcome: tb.outcome, Landed: tb.landed}
+			// The drain at minGen covers every older generation: answer
+			// the one asked about, which the owner is waiting for.
+			ack = control.AbortAck{RequestID: m.RequestID, Generation: m.Generation, Outcome: tb.outcome, Landed: tb.landed}
 		} else {
 			tb.owed = true
 		}
@@ -435,8 +442,10 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 		for _, t := range tasks {
 			t.collectPaths(cut)
 		}
+		// Not ErrAborted: other requests' slices on these paths fail too,
+		// and must not be taken for aborted.
 		for ref := range cut {
-			ref.ep.Abort(fmt.Errorf("%w: %w", transport.ErrCanceled, ErrAborted))
+			ref.ep.Abort(fmt.Errorf("%w: an aborted request's slices did not end within AbortDrainTimeout", transport.ErrCanceled))
 		}
 		e.waitFinal(tasks, time.Now().Add(e.opts.AbortDrainTimeout))
 	}
@@ -578,10 +587,16 @@ func (e *Engine) learnAbort(owner string, rid uint64, refusedGen uint32) {
 		e.tombQueue = append(e.tombQueue, k)
 		e.trimTombsLocked()
 	}
-	// Nothing owed: the owner did not ask; its refusal is the fence.
-	tb.minGen, tb.at, tb.drained, tb.outcome = gen, time.Now(), true, control.AckDrained
+	// The request's other transfers stop as on an ABORT, so that an ABORT
+	// arriving now is answered only once they ended; nothing is owed yet:
+	// the owner did not ask.
+	tb.minGen, tb.at, tb.drained, tb.owed = gen, time.Now(), false, false
+	tasks := e.tasksOfLocked(owner, rid, gen)
 	e.abortMu.Unlock()
 	e.emit(Event{Kind: EventAborted, Peer: owner, RequestID: rid, Generation: gen})
+	if e.startBackground() {
+		go e.drain(k, gen, tasks)
+	}
 }
 
 // trimTombsLocked forgets the oldest initiator tombstones past the cap.
@@ -669,4 +684,6 @@ func (e *Engine) Revoke(ctx context.Context, grantID uint64) error {
 
 // isAbortRefusal reports whether a slice failed because the owner aborted
 // its request.
-func isAbortRefusal(err error) bool { return errors.Is(err, transport.ErrAborted) }
+func isAbortRefusal(err error) bool {
+	return errors.Is(err, transport.ErrRefused) && errors.Is(err, transport.ErrAborted)
+}

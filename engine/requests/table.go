@@ -317,7 +317,7 @@ func (t *Table) Abort(rid uint64, acked bool) (uint32, <-chan struct{}, error) {
 	t.queue = append(t.queue, tombRef{rid: rid, since: now})
 	t.queueMu.Unlock()
 	if t.tombs.Load() > int64(t.opts.MaxTombstones) {
-		t.sweep(now, true)
+		t.trim()
 	}
 	return gen, wait, nil
 }
@@ -366,8 +366,8 @@ func (t *Table) Grant(initiator string, rid uint64, ranges []Range) (Grant, erro
 		t.grantMu.Unlock()
 		return Grant{}, fmt.Errorf("grant: %w: %d grants live", ErrFull, t.opts.MaxGrants)
 	}
-	t.grants[g.ID] = g
-	t.grantMu.Unlock()
+	// The grant joins its request's state before Revoke can find it by id
+	// (lock order: grantMu, then the shard's).
 	sh := t.shard(rid)
 	sh.mu.Lock()
 	st := sh.m[rid]
@@ -380,6 +380,8 @@ func (t *Table) Grant(initiator string, rid uint64, ranges []Range) (Grant, erro
 	st.grants = append(st.grants, g)
 	out := *g
 	sh.mu.Unlock()
+	t.grants[g.ID] = g
+	t.grantMu.Unlock()
 	out.Ranges = append([]Range(nil), g.Ranges...) // the caller's copy: editing it changes nothing enforced
 	return out, nil
 }
@@ -399,6 +401,12 @@ func (t *Table) Revoke(id uint64) (<-chan struct{}, error) {
 	sh := t.shard(g.RequestID)
 	sh.mu.Lock()
 	st := sh.m[g.RequestID]
+	if st == nil || g.revoked {
+		// Not reachable while grants join their state first; never
+		// panic with the shard locked.
+		sh.mu.Unlock()
+		return nil, fmt.Errorf("revoke grant %d: %w", id, ErrUnknownGrant)
+	}
 	g.revoked = true
 	for i, c := range st.grants {
 		if c == g {
@@ -425,48 +433,78 @@ func (t *Table) Revoke(id uint64) (<-chan struct{}, error) {
 }
 
 // Sweep forgets the tombstones (and request ids whose grants were all
-// revoked) that aged out. The engine calls it periodically.
-func (t *Table) Sweep(now time.Time) { t.sweep(now, false) }
-
-// sweep walks the queue from its oldest entry; force evicts past the cap
-// even what is not acknowledged.
-func (t *Table) sweep(now time.Time, force bool) {
+// revoked) that every initiator acknowledged and that aged out. The engine
+// calls it periodically.
+func (t *Table) Sweep(now time.Time) {
 	t.queueMu.Lock()
 	defer t.queueMu.Unlock()
 	var held []tombRef
 	i := 0
 	for ; i < len(t.queue); i++ {
 		ref := t.queue[i]
-		over := force && t.tombs.Load() > int64(t.opts.MaxTombstones)
-		if !over && now.Sub(ref.since) < t.opts.TombstoneTTL {
+		if now.Sub(ref.since) < t.opts.TombstoneTTL {
 			break
 		}
-		sh := t.shard(ref.rid)
-		sh.mu.Lock()
-		st := sh.m[ref.rid]
-		switch {
-		case st == nil || !st.since.Equal(ref.since):
-			// Stale entry: the state was renewed (queued again) or is gone.
-		case st.active > 0 || len(st.grants) > 0:
-			// Busy again: a newer entry or a later revoke requeues it.
-			if st.active > 0 {
-				held = append(held, ref)
-			}
-		case st.acked || over:
-			delete(sh.m, ref.rid)
-			if st.tomb {
-				t.tombs.Add(-1)
-			}
-			t.evicted.Add(1)
-			if !st.acked {
-				t.forced.Add(1)
-			}
-		default:
-			held = append(held, ref) // not acknowledged: kept until forced
+		switch t.evict(ref, false) {
+		case evictHeld:
+			held = append(held, ref) // not acknowledged, or busy: kept
 		}
-		sh.mu.Unlock()
 	}
 	t.queue = append(held, t.queue[i:]...)
+}
+
+// trim forgets tombstones past MaxTombstones, down to 7/8 of it so that the
+// walk is paid once per many aborts: acknowledged ones first, oldest first,
+// and only then, counted as forced, those not acknowledged.
+func (t *Table) trim() {
+	t.queueMu.Lock()
+	defer t.queueMu.Unlock()
+	target := int64(t.opts.MaxTombstones) * 7 / 8
+	for _, force := range []bool{false, true} {
+		kept := t.queue[:0]
+		for _, ref := range t.queue {
+			if t.tombs.Load() > target && t.evict(ref, force) != evictHeld {
+				continue
+			}
+			kept = append(kept, ref)
+		}
+		clear(t.queue[len(kept):])
+		t.queue = kept
+	}
+}
+
+type evictResult int
+
+const (
+	evictHeld  evictResult = iota // kept
+	evictStale                    // the entry no longer names a state
+	evictDone                     // forgotten
+)
+
+// evict forgets the state ref names if it is idle and acknowledged (or
+// force), and reports what it did.
+func (t *Table) evict(ref tombRef, force bool) evictResult {
+	sh := t.shard(ref.rid)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	st := sh.m[ref.rid]
+	switch {
+	case st == nil || !st.since.Equal(ref.since):
+		return evictStale // renewed (queued again) or gone
+	case len(st.grants) > 0:
+		return evictStale // live grants: a later revoke queues it again
+	case st.active > 0 || (!st.acked && !force):
+		return evictHeld
+	}
+	delete(sh.m, ref.rid)
+	if st.tomb {
+		t.tombs.Add(-1)
+	}
+	t.evicted.Add(1)
+	if !st.acked {
+		t.forced.Add(1)
+	}
+	return evictDone
 }
 
 // Stats are the table's counters.

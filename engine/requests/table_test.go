@@ -621,39 +621,45 @@ func TestSweepTombstones(t *testing.T) {
 	requireUnpinned(t, reg, r)
 }
 
-// TestTombstoneCap: past MaxTombstones the oldest tombstones are forced out,
-// acknowledged or not (only those not acknowledged count as forced), except
-// one with a chunk in progress.
+// TestTombstoneCap: past MaxTombstones the table forgets tombstones down to
+// 7/8 of the cap: acknowledged ones first (oldest first), then, counted as
+// forced, the oldest not acknowledged; never one with a chunk in progress.
 func TestTombstoneCap(t *testing.T) {
 	reg, r := testRegion(t, 4096)
-	const max = 4
-	tbl := requests.New(requests.Options{MaxTombstones: max, TombstoneTTL: time.Hour})
-	for rid := uint64(1); rid <= 7; rid++ {
-		if _, _, err := tbl.Abort(rid, false); err != nil {
-			t.Fatal(err)
-		}
-		if s := tbl.Stats(); s.Tombstones > max {
-			t.Fatalf("after %d aborts: %d tombstones, cap %d", rid, s.Tombstones, max)
-		}
-	}
-	for rid := uint64(1); rid <= 7; rid++ {
-		if want := map[bool]uint32{true: 0, false: 1}[rid <= 3]; tbl.Generation(rid) != want {
-			t.Errorf("request %d: generation %d, want %d (the oldest are forced out)", rid, tbl.Generation(rid), want)
-		}
-	}
-	if s := tbl.Stats(); s.Tombstones != max || s.Evicted != 3 || s.ForcedEvictions != 3 || tbl.Len() != max {
-		t.Fatalf("stats %+v, Len %d; want %d tombstones, 3 evicted, 3 forced", s, tbl.Len(), max)
-	}
-
-	t.Run("acknowledged are not counted as forced", func(t *testing.T) {
+	const max = 8 // trimmed to 7 when exceeded
+	t.Run("oldest unacknowledged are forced out", func(t *testing.T) {
 		tbl := requests.New(requests.Options{MaxTombstones: max, TombstoneTTL: time.Hour})
-		for rid := uint64(1); rid <= max+2; rid++ {
-			if _, _, err := tbl.Abort(rid, true); err != nil {
+		for rid := uint64(1); rid <= max+1; rid++ {
+			if _, _, err := tbl.Abort(rid, false); err != nil {
+				t.Fatal(err)
+			}
+			if s := tbl.Stats(); s.Tombstones > max {
+				t.Fatalf("after %d aborts: %d tombstones, cap %d", rid, s.Tombstones, max)
+			}
+		}
+		for rid := uint64(1); rid <= max+1; rid++ {
+			if want := map[bool]uint32{true: 0, false: 1}[rid <= 2]; tbl.Generation(rid) != want {
+				t.Errorf("request %d: generation %d, want %d (the oldest are forced out)", rid, tbl.Generation(rid), want)
+			}
+		}
+		if s := tbl.Stats(); s.Tombstones != 7 || s.Evicted != 2 || s.ForcedEvictions != 2 || tbl.Len() != 7 {
+			t.Fatalf("stats %+v, Len %d; want 7 tombstones, 2 evicted, 2 forced", s, tbl.Len())
+		}
+	})
+	t.Run("acknowledged go first and are not counted as forced", func(t *testing.T) {
+		tbl := requests.New(requests.Options{MaxTombstones: max, TombstoneTTL: time.Hour})
+		for rid := uint64(1); rid <= max+1; rid++ {
+			if _, _, err := tbl.Abort(rid, rid > 4); err != nil { // 1..4 not acknowledged
 				t.Fatal(err)
 			}
 		}
-		if s := tbl.Stats(); s.Tombstones != max || s.Evicted != 2 || s.ForcedEvictions != 0 {
-			t.Fatalf("stats %+v; want %d tombstones, 2 evicted, 0 forced", s, max)
+		for rid := uint64(1); rid <= max+1; rid++ {
+			if want := map[bool]uint32{true: 0, false: 1}[rid == 5 || rid == 6]; tbl.Generation(rid) != want {
+				t.Errorf("request %d: generation %d, want %d (the oldest acknowledged go first)", rid, tbl.Generation(rid), want)
+			}
+		}
+		if s := tbl.Stats(); s.Tombstones != 7 || s.Evicted != 2 || s.ForcedEvictions != 0 {
+			t.Fatalf("stats %+v; want 7 tombstones, 2 evicted, 0 forced", s)
 		}
 	})
 	t.Run("a tombstone with a chunk in progress stays", func(t *testing.T) {
@@ -671,11 +677,11 @@ func TestTombstoneCap(t *testing.T) {
 		if tbl.Generation(100) != 1 {
 			t.Fatal("the cap forced out a tombstone with a chunk in progress")
 		}
-		if tbl.Generation(101) != 0 {
-			t.Fatal("the cap did not force out the oldest idle tombstone")
+		if tbl.Generation(101) != 0 || tbl.Generation(102) != 0 || tbl.Generation(103) != 1 {
+			t.Fatal("the cap did not force out the oldest idle tombstones")
 		}
-		if s := tbl.Stats(); s.Tombstones != max {
-			t.Fatalf("stats %+v, want %d tombstones", s, max)
+		if s := tbl.Stats(); s.Tombstones != 7 {
+			t.Fatalf("stats %+v, want 7 tombstones", s)
 		}
 		g.Leave()
 	})
