@@ -68,8 +68,9 @@ type Options struct {
 	AbortDrainTimeout time.Duration
 	// MaxTombstones caps the aborted request ids remembered, on each side:
 	// as owner (accesses of them are refused) and as initiator (submits of
-	// them end ABORTED). Past the cap the oldest are forgotten, first those
-	// acknowledged.
+	// them end ABORTED). Past the cap an owner forgets down to 7/8 of it,
+	// those acknowledged first, oldest first; an initiator forgets its
+	// oldest.
 	MaxTombstones int
 	// TombstoneTTL is how long an aborted request id is remembered. An
 	// owner forgets one only once every initiator named acknowledged the
