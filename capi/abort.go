@@ -15,6 +15,21 @@ import (
 
 // Safe abort, grants, notifications and events.
 
+// boundedCtx is the context of a call that must end by a deadline:
+// timeoutMs > 0, or KVF_TIMEOUT_DEFAULT for the engine's default def. It
+// reports false for any other value.
+func boundedCtx(timeoutMs C.int, def time.Duration) (context.Context, context.CancelFunc, bool) {
+	switch {
+	case timeoutMs == defaultTimeoutMillis:
+		ctx, cancel := context.WithTimeout(context.Background(), def)
+		return ctx, cancel, true
+	case timeoutMs <= 0:
+		return nil, nil, false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(timeoutMs)*time.Millisecond)
+	return ctx, cancel, true
+}
+
 // maxCName bounds a segment name read from C, so a missing NUL cannot make
 // us read far.
 const maxCName = 1024
@@ -47,9 +62,12 @@ func kvfgo_abort(h C.uintptr_t, rid C.uint64_t, initiators **C.char, n C.size_t,
 		return failf(fn, errInvalid, "initiators is NULL with n = %d", n)
 	case n > engine.MaxAbortInitiators:
 		return failf(fn, errInvalid, "%d initiators (at most %d)", n, engine.MaxAbortInitiators)
-	case timeoutMs == 0 || (timeoutMs < 0 && timeoutMs != defaultTimeoutMillis):
+	}
+	ctx, cancel, ok := boundedCtx(timeoutMs, eh.defTimeout)
+	if !ok {
 		return failf(fn, errInvalid, "timeout %d ms: want > 0 or KVF_TIMEOUT_DEFAULT", timeoutMs)
 	}
+	defer cancel()
 	names := make([]string, int(n))
 	if n > 0 {
 		for i, p := range unsafe.Slice(initiators, int(n)) {
@@ -62,13 +80,6 @@ func kvfgo_abort(h C.uintptr_t, rid C.uint64_t, initiators **C.char, n C.size_t,
 			}
 			names[i] = s
 		}
-	}
-	ctx, cancel := timeoutCtx(timeoutMs)
-	defer cancel()
-	if timeoutMs == defaultTimeoutMillis {
-		var c2 context.CancelFunc
-		ctx, c2 = context.WithTimeout(ctx, eh.defTimeout)
-		defer c2()
 	}
 	res, err := eh.e.Abort(ctx, uint64(rid), names)
 	if err != nil {
@@ -129,16 +140,11 @@ func kvfgo_revoke(h C.uintptr_t, grantID C.uint64_t, timeoutMs C.int) (st C.int)
 	if err != nil {
 		return fail(fn, err)
 	}
-	if timeoutMs == 0 || (timeoutMs < 0 && timeoutMs != defaultTimeoutMillis) {
+	ctx, cancel, ok := boundedCtx(timeoutMs, eh.defTimeout)
+	if !ok {
 		return failf(fn, errInvalid, "timeout %d ms: want > 0 or KVF_TIMEOUT_DEFAULT", timeoutMs)
 	}
-	ctx, cancel := timeoutCtx(timeoutMs)
 	defer cancel()
-	if timeoutMs == defaultTimeoutMillis {
-		var c2 context.CancelFunc
-		ctx, c2 = context.WithTimeout(ctx, eh.defTimeout)
-		defer c2()
-	}
 	if err := eh.e.Revoke(ctx, uint64(grantID)); err != nil {
 		return fail(fn, err)
 	}

@@ -12,7 +12,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -1174,32 +1173,5 @@ func TestAbortScenariosLeakNoGoroutinesOrFileDescriptors(t *testing.T) {
 			}
 		}
 	}
-	cycle() // warm up the runtime's and libzmq's one-time state
-	settle := func(g0, f0 int) (int, int) {
-		var g, f int
-		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-			g = runtime.NumGoroutine()
-			f, _ = countFDs(t)
-			if (g <= g0 && f <= f0) || time.Now().After(deadline) {
-				return g, f
-			}
-		}
-	}
-	g0, f0 := settle(runtime.NumGoroutine(), 1<<30)
-	_, fdsBefore := countFDs(t)
-	for range 3 {
-		cycle()
-	}
-	g, f := settle(g0, f0)
-	if g > g0 {
-		buf := make([]byte, 1<<20)
-		buf = buf[:runtime.Stack(buf, true)]
-		t.Errorf("goroutines: %d before, %d after closing the engines\n%s", g0, g, buf)
-	}
-	if f > f0 {
-		_, fdsAfter := countFDs(t)
-		t.Errorf("open file descriptors: %d before, %d after\nbefore:\n%s\nafter:\n%s",
-			f0, f, strings.Join(fdsBefore, "\n"), strings.Join(fdsAfter, "\n"))
-	}
-	t.Logf("goroutines %d -> %d, fds %d -> %d", g0, g, f0, f)
+	requireNoLeaks(t, cycle)
 }

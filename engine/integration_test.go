@@ -899,34 +899,7 @@ func TestEnginesLeakNoGoroutinesOrFileDescriptors(t *testing.T) {
 			}
 		}
 	}
-	cycle() // warm up the runtime's and libzmq's one-time state
-	settle := func(g0, f0 int) (int, int) {
-		var g, f int
-		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-			g = runtime.NumGoroutine()
-			f, _ = countFDs(t)
-			if (g <= g0 && f <= f0) || time.Now().After(deadline) {
-				return g, f
-			}
-		}
-	}
-	g0, f0 := settle(runtime.NumGoroutine(), 1<<30)
-	_, fdsBefore := countFDs(t)
-	for range 3 {
-		cycle()
-	}
-	g, f := settle(g0, f0)
-	if g > g0 {
-		buf := make([]byte, 1<<20)
-		buf = buf[:runtime.Stack(buf, true)]
-		t.Errorf("goroutines: %d before, %d after closing the engines\n%s", g0, g, buf)
-	}
-	if f > f0 {
-		_, fdsAfter := countFDs(t)
-		t.Errorf("open file descriptors: %d before, %d after\nbefore:\n%s\nafter:\n%s",
-			f0, f, strings.Join(fdsBefore, "\n"), strings.Join(fdsAfter, "\n"))
-	}
-	t.Logf("goroutines %d -> %d, fds %d -> %d", g0, g, f0, f)
+	requireNoLeaks(t, cycle)
 }
 
 // Invalid arguments outside transfers are refused with matchable errors too.
@@ -1122,4 +1095,40 @@ func TestUnregisterOrCloseMidTransferStopsEveryLaterByte(t *testing.T) {
 			})
 		}
 	}
+}
+
+// requireNoLeaks runs cycle once to warm up the runtime's and libzmq's
+// one-time state, then three times more, and fails the test when
+// goroutines or open file descriptors (counted by the process, not by the
+// engine) outnumber those before, after a settling time.
+func requireNoLeaks(t *testing.T, cycle func()) {
+	t.Helper()
+	cycle() // warm up the runtime's and libzmq's one-time state
+	settle := func(g0, f0 int) (int, int) {
+		var g, f int
+		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			g = runtime.NumGoroutine()
+			f, _ = countFDs(t)
+			if (g <= g0 && f <= f0) || time.Now().After(deadline) {
+				return g, f
+			}
+		}
+	}
+	g0, f0 := settle(runtime.NumGoroutine(), 1<<30)
+	_, fdsBefore := countFDs(t)
+	for range 3 {
+		cycle()
+	}
+	g, f := settle(g0, f0)
+	if g > g0 {
+		buf := make([]byte, 1<<20)
+		buf = buf[:runtime.Stack(buf, true)]
+		t.Errorf("goroutines: %d before, %d after closing the engines\n%s", g0, g, buf)
+	}
+	if f > f0 {
+		_, fdsAfter := countFDs(t)
+		t.Errorf("open file descriptors: %d before, %d after\nbefore:\n%s\nafter:\n%s",
+			f0, f, strings.Join(fdsBefore, "\n"), strings.Join(fdsAfter, "\n"))
+	}
+	t.Logf("goroutines %d -> %d, fds %d -> %d", g0, g, f0, f)
 }
