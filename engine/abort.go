@@ -87,13 +87,17 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		return AbortResult{}, fmt.Errorf("abort: %w: %d initiators (at most %d)", ErrInvalidArg, len(initiators), MaxAbortInitiators)
 	}
 	wait := make(map[string]bool, len(initiators))
+	names := make([]string, 0, len(initiators)) // wait, deduplicated; wait itself is the ACK handler's once published
 	for _, name := range initiators {
 		if _, _, err := net.SplitHostPort(name); err != nil || len(name) > maxSegmentName {
 			return AbortResult{}, fmt.Errorf("abort: %w: initiator %q is not a segment name (host:port)", ErrInvalidArg, name)
 		}
-		wait[name] = true
+		if !wait[name] {
+			wait[name] = true
+			names = append(names, name)
+		}
 	}
-	named := len(wait) // wait itself is the ACK handler's once published
+	named := len(names)
 	deadline, ok := ctx.Deadline()
 	if !ok {
 		deadline = time.Now().Add(e.opts.DefaultTimeout)
@@ -142,7 +146,7 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		e.pending[k] = pa
 		e.pendMu.Unlock()
 		msg := control.AbortMsg{RequestID: requestID, Generation: gen}.Encode()
-		for _, name := range initiators { // not wait: ACKs delete from it now
+		for _, name := range names {
 			_ = e.plane.Send(name, control.MsgAbort, msg)
 		}
 		if e.startBackground() {
@@ -162,7 +166,7 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		}
 	}
 	for _, f := range fences {
-		for _, name := range initiators {
+		for _, name := range names {
 			if reason != nil {
 				break
 			}
@@ -172,10 +176,8 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		}
 	}
 	if reason == nil && needAcks {
-		if named == 0 && unsafe {
-			reason = fmt.Errorf("no initiator named, so none can acknowledge: %w", ErrUnsupported)
-		} else if !unsafe && named == 0 {
-			reason = fmt.Errorf("a transport lets hardware write our memory and no initiator is named to drain or fence: %w", ErrUnsupported)
+		if named == 0 {
+			reason = fmt.Errorf("the fence rests on the initiators' ACKs and none is named: %w", ErrUnsupported)
 		} else {
 			select {
 			case <-pa.done:
