@@ -200,8 +200,8 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	// Between the tombstone check and listing the tasks in the batch an
 	// ABORT's handler must not run: it would miss them (see handleAbort).
 	var aborted []*task
-	tombs := slices.ContainsFunc(tasks, func(t *task) bool { return t.req.RequestID != 0 })
-	if tombs {
+	anyRID := slices.ContainsFunc(tasks, func(t *task) bool { return t.req.RequestID != 0 })
+	if anyRID {
 		e.abortMu.RLock()
 		if len(e.tombs) > 0 {
 			for _, t := range tasks {
@@ -216,7 +216,7 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	if b.freed || len(b.tasks)+len(tasks) > b.capacity {
 		freed := b.freed
 		b.mu.Unlock()
-		if tombs {
+		if anyRID {
 			e.abortMu.RUnlock()
 		}
 		if freed {
@@ -238,7 +238,7 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 		b.tainted.Store(true)
 	}
 	b.mu.Unlock()
-	if tombs {
+	if anyRID {
 		e.abortMu.RUnlock()
 	}
 	e.stats.tasksInFlight.Add(int64(len(tasks)))
