@@ -494,6 +494,9 @@ func (t *task) finish() {
 		t.err = fmt.Errorf("%s of [%#x, +%d) at %s: %w", t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, t.err)
 	} else if t.err != nil {
 		st = Failed
+		if errors.Is(t.err, ErrStaleKey) && errors.Is(t.err, ErrRefused) {
+			t.req.Segment.stale.Store(true)
+		}
 		t.err = fmt.Errorf("%s of [%#x, +%d) at %s: %w: %w", t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, ErrTransferFailed, t.err)
 	}
 	t.errMu.Unlock()

@@ -634,7 +634,9 @@ func reregister(t *testing.T, e *engine.Engine, mem []byte) {
 }
 
 // A range registered after the segment was opened is found by one descriptor
-// refresh, and a stale key is cured by opening the segment again.
+// refresh; a transfer refused for a stale key fails (it never moves to the
+// new key), and the next transfer on the same segment refreshes first and
+// lands; opening the segment again works too.
 func TestDescriptorRefreshFindsNewRangesAndReopenCuresStaleKeys(t *testing.T) {
 	f := newErrFixture(t)
 	late := alloc(t, f.b, 1<<20)
@@ -651,6 +653,13 @@ func TestDescriptorRefreshFindsNewRangesAndReopenCuresStaleKeys(t *testing.T) {
 		write(f.local.mid, f.seg, engine.AddrOf(f.rem.mid), 4096)}); !errors.Is(err, engine.ErrStaleKey) {
 		t.Fatalf("transfer under a stale key: %v, want ErrStaleKey", err)
 	}
+	before = f.res.count(f.b.Name())
+	transfer(t, f.a, 10*time.Second, write(f.local.mid, f.seg, engine.AddrOf(f.rem.mid), errSize))
+	f.rem.check(t, "next transfer after a stale key", f.local.mid)
+	if got := f.res.count(f.b.Name()) - before; got != 1 {
+		t.Errorf("%d descriptor fetches after a stale key, want 1", got)
+	}
+	reregister(t, f.b, f.rem.mid)
 	if err := f.a.CloseSegment(f.seg); err != nil {
 		t.Fatal(err)
 	}

@@ -60,6 +60,7 @@ type Segment struct {
 
 	misses atomic.Int32
 	dead   atomic.Bool
+	stale  atomic.Bool // a transfer was refused for a stale key: refresh before the next plan
 }
 
 // Name is the segment's name, "host:port".
@@ -182,6 +183,18 @@ func (s *Segment) refresh(ctx context.Context) error {
 // resolve finds the buffer key for [addr, addr+n) at the segment, fetching
 // the descriptor again once when the cached one lacks the range.
 func (s *Segment) resolve(ctx context.Context, addr, n uint64, refreshed *bool) (BufferKey, error) {
+	if s.stale.Load() && !*refreshed {
+		// A transfer was refused for a stale key: the peer registered
+		// its memory again. Only transfers planned from now on see the
+		// new keys; none that started under an old key moves to a new
+		// one.
+		*refreshed = true
+		s.stale.Store(false)
+		if err := s.refresh(ctx); err != nil {
+			s.stale.Store(true)
+			return 0, err
+		}
+	}
 	if b, ok := s.desc.Load().Find(addr, n); ok {
 		return BufferKey(b.Key), nil
 	}

@@ -65,8 +65,8 @@ ERR_PROTOCOL = 20
 ERR_TRUNCATED = 21
 
 # kvf_op
-OP_READ = 1
-OP_WRITE = 2
+OP_READ = 0
+OP_WRITE = 1
 
 
 class EngineOptions(Structure):
