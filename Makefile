@@ -24,7 +24,7 @@ run: build
 	$(BIN)/kvferry-bench --mode loopback --op write --block-size 1048576 --threads 4 --duration 5
 	$(BIN)/kvferry-bench --mode loopback --op read --block-size 1048576 --threads 4 --duration 5
 
-test: deps fmt-check vet test-go test-race fuzz-short test-c
+test: deps fmt-check vet test-go test-race fuzz-short test-c test-python
 	@echo "make test: all passed"
 
 fmt-check:
@@ -79,3 +79,27 @@ test-c: deps
 	$(CMAKE) -S . -B $(BUILD_DIR) $(CMAKE_GEN)
 	$(CMAKE) --build $(BUILD_DIR)
 	cd $(BUILD_DIR) && ctest --output-on-failure -j2 --timeout 300
+
+# Python binding (bindings/python): the kvferry package, a ctypes binding of
+# libkvferry.so and a drop-in mooncake TransferEngine.
+PYTHON    ?= python3
+PY_DIR    := bindings/python
+WHEEL_DIR ?= dist
+.PHONY: python test-python wheel
+
+# Copies the library into the package, so that `pip install bindings/python`
+# ships it (cp follows the soname links to the real file).
+python: lib
+	cp -f $(BUILD_DIR)/libkvferry.so $(PY_DIR)/kvferry/libkvferry.so
+
+# The pytest suite against $(BUILD_DIR)/libkvferry.so; installs pytest if missing.
+test-python: lib
+	BUILD_DIR=$(BUILD_DIR) PYTHON=$(PYTHON) KVFERRY_LIBRARY=$(abspath $(BUILD_DIR))/libkvferry.so \
+	  $(PY_DIR)/scripts/run_tests.sh
+
+# A manylinux wheel in $(WHEEL_DIR) with libzmq and what it needs bundled by
+# auditwheel, then proven to load and move data with the system's copies of
+# those libraries hidden (in a private mount namespace). Needs PyPI once.
+wheel: lib
+	PYTHON=$(PYTHON) $(PY_DIR)/scripts/build_wheel.sh $(BUILD_DIR)/libkvferry.so $(WHEEL_DIR) $(BUILD_DIR)/python-wheel
+	PYTHON=$(PYTHON) $(PY_DIR)/scripts/check_wheel.sh "$$(ls $(WHEEL_DIR)/kvferry-*.whl)" $(BUILD_DIR)/libkvferry.so $(BUILD_DIR)/python-wheel

@@ -11,7 +11,8 @@ import (
 // Options configure an Engine. Zero fields take the defaults in the table
 // below; KVFERRY_* environment variables, read by New, override fields. In a
 // process that loaded libkvferry.so, the environment is the one the process
-// had when the library was loaded.
+// was started with (the Go runtime takes the initial environment when the
+// library loads; setenv calls made before that are not seen).
 //
 //	field              variable                     default
 //	Host               KVFERRY_HOST                 127.0.0.1

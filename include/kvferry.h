@@ -36,8 +36,9 @@
  * Process rules: the library contains the Go runtime. It is loaded once and
  * cannot be unloaded (dlclose is a no-op). After fork(), the child must not
  * call kvferry before exec (fork+exec and posix_spawn are fine). KVFERRY_*
- * environment variables are read as they were when the library was loaded;
- * set run-time settings through kvf_engine_options instead.
+ * environment variables are read from the environment the process was
+ * started with (setenv calls, even before loading, are not seen); set
+ * run-time settings through kvf_engine_options instead.
  *
  * This header compiles as C99 and later, and as C++ (extern "C").
  */

@@ -3,7 +3,9 @@
 # Idempotent and quiet when everything is present; installs as root.
 set -euo pipefail
 
-apt_pkgs=(libzmq3-dev libibverbs-dev pkg-config cmake ninja-build g++ iperf3 python3 python3-pip)
+# python3-venv: `make test-python` installs pytest into a venv where pip may not
+# write to the system (PEP 668); `make wheel` keeps its tools in one.
+apt_pkgs=(libzmq3-dev libibverbs-dev pkg-config cmake ninja-build g++ iperf3 python3 python3-pip python3-venv)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

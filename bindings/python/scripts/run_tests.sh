@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Runs the kvferry Python tests (bindings/python/tests) with pytest, for
+# `make test-python`. Extra arguments go to pytest.
+#
+# The library is the one KVFERRY_LIBRARY names (the Makefile passes
+# $(BUILD_DIR)/libkvferry.so; tests/conftest.py picks build/ otherwise).
+# pytest is installed when missing: into $PYTHON's environment when pip may
+# write there (a venv, pyenv), else into a venv of our own that still sees the
+# system's packages (Debian's python3 refuses pip installs, PEP 668).
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
+python=${PYTHON:-python3}
+build_dir=${BUILD_DIR:-$repo/build}
+case "$build_dir" in /*) ;; *) build_dir="$repo/$build_dir" ;; esac
+
+if ! "$python" -c 'import pytest' 2>/dev/null; then
+  echo "test-python: pytest missing for $python; installing it"
+  if ! "$python" -m pip install -q --disable-pip-version-check pytest 2>/dev/null; then
+    venv="$build_dir/python-test-venv"
+    if [ ! -x "$venv/bin/python" ]; then
+      "$python" -m venv --system-site-packages "$venv"
+    fi
+    if ! "$venv/bin/python" -c 'import pytest' 2>/dev/null; then
+      "$venv/bin/python" -m pip install -q --disable-pip-version-check pytest
+    fi
+    python="$venv/bin/python"
+  fi
+fi
+
+# The Go runtime reads the environment the process was started with, not
+# os.environ: a developer's KVFERRY_PROTOCOL or MC_TRANSFER_TIMEOUT must not
+# reach pytest's own process (tests/conftest.py cleans it for the children).
+if [ "${KVFERRY_TEST_KEEP_ENV:-}" != 1 ]; then
+  for v in $(compgen -e); do
+    case "$v" in
+      KVFERRY_LIBRARY|KVFERRY_TEST_*) ;;
+      KVFERRY_*|MC_TRANSFER_TIMEOUT) unset "$v" ;;
+    esac
+  done
+fi
+
+cd "$repo/bindings/python"
+# -ra: the reason of every skip, xfail and failure in the summary (a skip is
+# never a pass); no cache directory in the source tree.
+exec "$python" -m pytest -ra -p no:cacheprovider --durations=5 "$@"

@@ -1,0 +1,322 @@
+#!/usr/bin/env python3
+"""The SGLang-like disaggregation scenario, runnable against kvferry's shim or
+the real Mooncake, unchanged:
+
+    python mooncake_shim_script.py --impl kvferry
+    python mooncake_shim_script.py --impl mooncake     # needs mooncake-transfer-engine(-non-cuda)
+
+A spawned "decode" process registers its KV cache (K and V buffers of every
+layer, with batch_register_memory) and an aux buffer, and hands its session
+id ("host:port", built from get_rpc_port() as SGLang does) and buffer
+addresses to this "prefill" process over a pipe (SGLang's bootstrap
+channel). Prefill fills its own KV cache with a pattern and, for each request
+("room"), sends the pages it computed into the decode pages the decode side
+picked: one batch_transfer_sync_write over every layer's K and V, contiguous
+page runs merged into one entry each (SGLang's
+group_concurrent_contiguous), then the aux data with transfer_sync_write.
+Decode then checks every destination page byte for byte against the pattern
+and that no other page was touched. Prints PASS (exit 0) or FAIL (exit 1).
+
+The module also provides ``peer_main``, the command loop of a peer process
+that test_mooncake.py drives.
+
+Process rule: children are started with the "spawn" method; a process that
+loaded libkvferry.so (or Mooncake) must not fork() without exec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import multiprocessing as mp
+import os
+import random
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+HOST = "127.0.0.1"
+LAYERS = 8
+PAGES = 256
+PAGE_BYTES = 4096
+ROOMS = 4
+PAGES_PER_ROOM = 48
+AUX_BYTES = 256
+
+
+def engine_class(impl: str) -> type:
+    """The TransferEngine class of an implementation: "kvferry" or "mooncake"."""
+    if impl == "kvferry":
+        try:
+            from kvferry.mooncake import TransferEngine
+        except ImportError:
+            # Run from a checkout: the package lives next to tests/.
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            from kvferry.mooncake import TransferEngine
+        return TransferEngine
+    if impl == "mooncake":
+        from mooncake.engine import TransferEngine  # type: ignore[import-not-found]
+
+        return TransferEngine
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def new_engine(impl: str, local_hostname: str = HOST) -> Any:
+    """An initialized engine (P2PHANDSHAKE, tcp), as SGLang creates it."""
+    engine = engine_class(impl)()
+    ret = engine.initialize(local_hostname, "P2PHANDSHAKE", "tcp", "")
+    if ret != 0:
+        raise RuntimeError(f"{impl}: initialize returned {ret}")
+    return engine
+
+
+def layer_pattern(side: str, layer: int, kv: int) -> bytes:
+    """The content prefill writes into one K or V buffer (PAGES pages)."""
+    return random.Random(f"{side}/{layer}/{kv}").randbytes(PAGES * PAGE_BYTES)
+
+
+def group_contiguous(src: Sequence[int], dst: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """SGLang's group_concurrent_contiguous: runs of pages contiguous on both
+    sides as (src page, dst page, page count)."""
+    runs: List[Tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+class Memory:
+    """Buffers of this process, kept alive until the process ends."""
+
+    def __init__(self) -> None:
+        self.keep: List[ctypes.Array] = []
+
+    def alloc(self, size: int) -> int:
+        buf = (ctypes.c_char * size)()
+        self.keep.append(buf)
+        return ctypes.addressof(buf)
+
+
+def peer_main(impl: str, conn: Connection, local_hostname: str = HOST) -> None:
+    """A peer process: creates an engine and serves commands from conn until
+    ("exit",). Each command is a tuple (name, *args); the reply is ("ok",
+    value) or ("error", traceback text)."""
+    mem = Memory()
+    try:
+        engine = new_engine(impl, local_hostname)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", (HOST, engine.get_rpc_port())))
+    handlers = {
+        "alloc": lambda size, register=True: _alloc(engine, mem, size, register),
+        "alloc_kv": lambda layers, size: _alloc_kv(engine, mem, layers, size),
+        "get": lambda addr, n: ctypes.string_at(addr, n),
+        "put": lambda addr, data: ctypes.memmove(addr, data, len(data)) and None,
+        "fill": lambda addr, n, byte: ctypes.memset(addr, byte, n) and None,
+        "count_not": lambda addr, n, byte: n - ctypes.string_at(addr, n).count(bytes([byte])),
+        "call": lambda method, *args, **kw: getattr(engine, method)(*args, **kw),
+        "abort_then_fill": lambda rid, initiators, timeout, addr, n, byte:
+            _abort_then_fill(engine, rid, initiators, timeout, addr, n, byte),
+        "pid": lambda: os.getpid(),
+        "addrs": lambda: [ctypes.addressof(b) for b in mem.keep],
+    }
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg[0] == "exit":
+            if hasattr(engine, "close"):
+                engine.close()
+            conn.send(("ok", None))
+            return
+        try:
+            name, args = msg[0], msg[1:]
+            kwargs: Dict[str, Any] = {}
+            if args and isinstance(args[-1], dict) and name == "call":
+                kwargs = args[-1]
+                args = args[:-1]
+            conn.send(("ok", handlers[name](*args, **kwargs)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+def _alloc(engine: Any, mem: Memory, size: int, register: bool) -> int:
+    addr = mem.alloc(size)
+    if register and engine.register_memory(addr, size) != 0:
+        raise RuntimeError("register_memory failed")
+    return addr
+
+
+def _alloc_kv(engine: Any, mem: Memory, layers: int, size: int) -> List[int]:
+    """K and V buffers of every layer, registered in one batch_register_memory."""
+    addrs = [mem.alloc(size) for _ in range(2 * layers)]
+    if engine.batch_register_memory(addrs, [size] * len(addrs)) != 0:
+        raise RuntimeError("batch_register_memory failed")
+    return addrs
+
+
+def _abort_then_fill(engine: Any, rid: int, initiators: List[str], timeout: float, addr: int, n: int,
+                     byte: int) -> Tuple[int, float]:
+    """Owner side of the PD abort: aborts rid, and when it is safe reuses the
+    slots at once (fills them). Returns (abort's return, seconds it took)."""
+    t = time.perf_counter()
+    ret = engine.abort(rid, initiators, timeout)
+    took = time.perf_counter() - t
+    if ret == 0:
+        ctypes.memset(addr, byte, n)
+    return ret, took
+
+
+class Peer:
+    """The parent's handle on a spawned peer process."""
+
+    def __init__(self, impl: str, local_hostname: str = HOST) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=peer_main, args=(impl, child, local_hostname), daemon=True)
+        self.proc.start()
+        child.close()
+        host, port = self._reply(60)
+        # The session id the SGLang way: "<host>:<get_rpc_port()>".
+        self.session = f"{host}:{port}"
+
+    def _reply(self, timeout: float) -> Any:
+        if not self.conn.poll(timeout):
+            raise TimeoutError("peer did not answer")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"peer failed:\n{value}")
+        return value
+
+    def __call__(self, *cmd: Any, timeout: float = 60) -> Any:
+        self.conn.send(cmd)
+        return self._reply(timeout)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Calls a TransferEngine method in the peer."""
+        return self("call", method, *args, kwargs)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self("exit", timeout=20)
+            except Exception:
+                pass
+        self.proc.join(20)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def run_scenario(impl: str, seed: int = 1, verbose: bool = True) -> bool:
+    """The SGLang-like scenario (see the module docstring). True on PASS."""
+    rng = random.Random(seed)
+    size = PAGES * PAGE_BYTES
+    try:
+        decode = Peer(impl)
+    except Exception:
+        traceback.print_exc()
+        return False
+    ok = True
+    try:
+        prefill = new_engine(impl)
+        mem = Memory()
+        # Decode: KV cache and aux buffer; their addresses go to prefill with
+        # the session id, as in SGLang's bootstrap.
+        dst_kv = decode("alloc_kv", LAYERS, size)
+        dst_aux = decode("alloc", AUX_BYTES * ROOMS)
+        # Prefill: its KV cache, computed (filled) before the transfers.
+        src_kv = [mem.alloc(size) for _ in range(2 * LAYERS)]
+        if prefill.batch_register_memory(src_kv, [size] * len(src_kv)) != 0:
+            raise RuntimeError("prefill batch_register_memory failed")
+        for i, addr in enumerate(src_kv):
+            data = layer_pattern("prefill", i // 2, i % 2)
+            ctypes.memmove(addr, data, size)
+        src_aux = mem.alloc(AUX_BYTES * ROOMS)
+        if prefill.register_memory(src_aux, AUX_BYTES * ROOMS) != 0:
+            raise RuntimeError("prefill register_memory failed")
+
+        free_dst = list(range(PAGES))
+        rng.shuffle(free_dst)
+        expected: Dict[int, Tuple[int, int]] = {}  # dst page -> (src page, room)
+        entries = 0
+        t0 = time.perf_counter()
+        for room in range(ROOMS):
+            src_pages = sorted(rng.sample(range(PAGES), PAGES_PER_ROOM))
+            # Decode hands out pages partly contiguous, partly scattered.
+            dst_pages = sorted(free_dst[:PAGES_PER_ROOM])
+            del free_dst[:PAGES_PER_ROOM]
+            srcs: List[int] = []
+            dsts: List[int] = []
+            lens: List[int] = []
+            for layer_buf in range(2 * LAYERS):
+                for s, d, n in group_contiguous(src_pages, dst_pages):
+                    srcs.append(src_kv[layer_buf] + s * PAGE_BYTES)
+                    dsts.append(dst_kv[layer_buf] + d * PAGE_BYTES)
+                    lens.append(n * PAGE_BYTES)
+            ret = prefill.batch_transfer_sync_write(decode.session, srcs, dsts, lens)
+            if ret != 0:
+                raise RuntimeError(f"room {room}: batch_transfer_sync_write returned {ret}")
+            entries += len(srcs)
+            aux = bytes([room + 1]) * AUX_BYTES
+            ctypes.memmove(src_aux + room * AUX_BYTES, aux, AUX_BYTES)
+            ret = prefill.transfer_sync_write(decode.session, src_aux + room * AUX_BYTES,
+                                              dst_aux + room * AUX_BYTES, AUX_BYTES)
+            if ret != 0:
+                raise RuntimeError(f"room {room}: transfer_sync_write (aux) returned {ret}")
+            for s, d in zip(src_pages, dst_pages):
+                expected[d] = (s, room)
+        elapsed = time.perf_counter() - t0
+
+        # Decode side: verify every page of every layer, byte for byte.
+        bad = 0
+        for i, addr in enumerate(dst_kv):
+            got = decode("get", addr, size)
+            src = layer_pattern("prefill", i // 2, i % 2)
+            for page in range(PAGES):
+                g = got[page * PAGE_BYTES:(page + 1) * PAGE_BYTES]
+                if page in expected:
+                    s = expected[page][0]
+                    want = src[s * PAGE_BYTES:(s + 1) * PAGE_BYTES]
+                else:
+                    want = bytes(PAGE_BYTES)  # never a destination: untouched
+                if g != want:
+                    bad += 1
+        aux_got = decode("get", dst_aux, AUX_BYTES * ROOMS)
+        aux_want = b"".join(bytes([r + 1]) * AUX_BYTES for r in range(ROOMS))
+        if aux_got != aux_want:
+            bad += 1
+        ok = bad == 0
+        if verbose:
+            print(f"{impl}: {ROOMS} rooms, {entries} batch entries ({LAYERS} layers x K/V, "
+                  f"{PAGES_PER_ROOM} pages of {PAGE_BYTES} B each), {elapsed * 1e3:.1f} ms; "
+                  f"{bad} mismatched pages")
+        if hasattr(prefill, "close"):
+            prefill.close()
+    except Exception:
+        traceback.print_exc()
+        ok = False
+    finally:
+        decode.close()
+    return ok
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--impl", choices=("kvferry", "mooncake"), default="kvferry")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args(argv)
+    ok = run_scenario(args.impl, args.seed)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

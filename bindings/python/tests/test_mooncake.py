@@ -1,0 +1,480 @@
+"""Tests of kvferry.mooncake.TransferEngine, the drop-in Mooncake shim.
+
+Peers run in processes started with the "spawn" method (a process that loaded
+libkvferry.so must not fork without exec); the pytest process is the other
+side. Every data check is byte for byte. Mooncake itself is not needed,
+except by test_script_against_real_mooncake, which skips without it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib.util
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, Tuple
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import mooncake_shim_script as script  # noqa: E402
+from kvferry import _lib  # noqa: E402
+from kvferry.mooncake import TransferEngine, TransferOpcode, _mc_timeout_seconds  # noqa: E402
+
+MiB = 1 << 20
+HOST = "127.0.0.1"
+
+
+def buf(size: int, fill: bytes = b"") -> Tuple[ctypes.Array, int]:
+    """A buffer of this process and its address, optionally filled."""
+    b = (ctypes.c_char * size)()
+    if fill:
+        ctypes.memmove(b, (fill * (size // len(fill) + 1))[:size], size)
+    return b, ctypes.addressof(b)
+
+
+def pattern(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[script.Peer]:
+    p = script.Peer("kvferry")
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[TransferEngine]:
+    e = TransferEngine()
+    assert e.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def remote(peer: script.Peer) -> int:
+    """A 4 MiB registered buffer in the peer."""
+    return peer("alloc", 4 * MiB)
+
+
+# ---------------------------------------------------------------- data paths
+
+
+def test_sync_write_and_read_both_ways(engine: TransferEngine, peer: script.Peer, remote: int) -> None:
+    """transfer_sync_write/read from us into the peer and back, and the peer
+    initiating into our memory: each checked byte for byte."""
+    b, local = buf(MiB)
+    assert engine.register_memory(local, MiB) == 0
+    try:
+        data = pattern(1, 300_000)
+        ctypes.memmove(local, data, len(data))
+        assert engine.transfer_sync_write(peer.session, local, remote + 4096, len(data)) == 0
+        assert peer("get", remote + 4096, len(data)) == data
+        assert peer("get", remote, 4096) == bytes(4096)  # nothing before the target range
+
+        back = pattern(2, 200_000)
+        peer("put", remote + 2 * MiB, back)
+        assert engine.transfer_sync_read(peer.session, local + 512 * 1024, remote + 2 * MiB, len(back)) == 0
+        assert ctypes.string_at(local + 512 * 1024, len(back)) == back
+
+        # The peer initiates: it writes into and reads from our memory.
+        theirs = pattern(3, 100_000)
+        peer("put", remote + 3 * MiB, theirs)
+        assert peer.call("transfer_sync_write", engine.get_session_id(), remote + 3 * MiB, local, len(theirs)) == 0
+        assert ctypes.string_at(local, len(theirs)) == theirs
+        ours = pattern(4, 50_000)
+        ctypes.memmove(local + 800_000, ours, len(ours))
+        assert peer.call("transfer_sync_read", engine.get_session_id(), remote + 3 * MiB, local + 800_000,
+                         len(ours)) == 0
+        assert peer("get", remote + 3 * MiB, len(ours)) == ours
+    finally:
+        assert engine.unregister_memory(local) == 0
+
+
+def test_batch_sync_both_ways(engine: TransferEngine, peer: script.Peer, remote: int) -> None:
+    """batch_transfer_sync_write/read with scattered entries, and the generic
+    batch_transfer_sync with a TransferOpcode."""
+    b, local = buf(MiB)
+    assert engine.register_memory(local, MiB) == 0
+    try:
+        data = pattern(5, MiB)
+        ctypes.memmove(local, data, MiB)
+        n, size = 64, 4096
+        order = random.Random(6).sample(range(n), n)  # scattered destinations
+        srcs = [local + i * size for i in range(n)]
+        dsts = [remote + order[i] * size for i in range(n)]
+        assert engine.batch_transfer_sync_write(peer.session, srcs, dsts, [size] * n) == 0
+        got = peer("get", remote, n * size)
+        for i in range(n):
+            assert got[order[i] * size:(order[i] + 1) * size] == data[i * size:(i + 1) * size]
+
+        ctypes.memset(local, 0, MiB)
+        assert engine.batch_transfer_sync_read(peer.session, srcs, dsts, [size] * n) == 0
+        assert ctypes.string_at(local, n * size) == data[:n * size]
+
+        ctypes.memset(local, 0, MiB)
+        assert engine.batch_transfer_sync(peer.session, srcs[:8], dsts[:8], [size] * 8, TransferOpcode.Read) == 0
+        assert ctypes.string_at(local, 8 * size) == data[:8 * size]
+        # Zero-length entries complete without moving anything, as in Mooncake.
+        assert engine.batch_transfer_sync_write(peer.session, [local, local], [remote, remote], [0, 0]) == 0
+        assert engine.batch_transfer_sync_write(peer.session, [], [], []) == 0
+    finally:
+        assert engine.unregister_memory(local) == 0
+
+
+def test_async_batches_and_submit(engine: TransferEngine, peer: script.Peer, remote: int) -> None:
+    """batch_transfer_async_write/read with get_batch_transfer_status, and
+    transfer_submit_write with transfer_check_status."""
+    b, local = buf(2 * MiB)
+    assert engine.register_memory(local, 2 * MiB) == 0
+    try:
+        data = pattern(7, MiB)
+        ctypes.memmove(local, data, MiB)
+        w = engine.batch_transfer_async_write(peer.session, [local, local + MiB // 2], [remote, remote + MiB // 2],
+                                              [MiB // 2, MiB // 2])
+        assert w != 0
+        assert engine.get_batch_transfer_status([w]) == 0
+        assert peer("get", remote, MiB) == data
+
+        theirs = pattern(8, MiB)
+        peer("put", remote + 2 * MiB, theirs)
+        r1 = engine.batch_transfer_async_read(peer.session, [local + MiB], [remote + 2 * MiB], [MiB // 2])
+        r2 = engine.batch_transfer_async_read(peer.session, [local + MiB + MiB // 2], [remote + 2 * MiB + MiB // 2],
+                                              [MiB // 2])
+        assert 0 not in (r1, r2) and r1 != r2
+        assert engine.get_batch_transfer_status([r1, r2]) == 0
+        assert ctypes.string_at(local + MiB, MiB) == theirs
+        # Completed batches were freed, as Mooncake frees them.
+        assert engine.get_batch_transfer_status([r1]) == -1
+
+        one = pattern(9, 10_000)
+        ctypes.memmove(local, one, len(one))
+        t = engine.transfer_submit_write(peer.session, local, remote + 3 * MiB, len(one))
+        assert t != 0
+        deadline = time.monotonic() + 10
+        while (st := engine.transfer_check_status(t)) == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert st == 1
+        assert peer("get", remote + 3 * MiB, len(one)) == one
+        assert engine.transfer_check_status(t) == -1  # freed on completion
+    finally:
+        assert engine.unregister_memory(local) == 0
+
+
+def test_memory_and_managed_buffers(engine: TransferEngine, peer: script.Peer) -> None:
+    """batch_register/unregister (all or none), managed buffers used as
+    transfer targets, write/read_bytes, get_first_buffer_address."""
+    bufs = [buf(64 * 1024) for _ in range(4)]
+    addrs = [a for _, a in bufs]
+    assert engine.batch_register_memory(addrs, [64 * 1024] * 4) == 0
+    assert engine.batch_register_memory(addrs[:1], [64 * 1024]) == -7  # overlap
+    assert engine.batch_unregister_memory(addrs) == 0
+    assert engine.batch_unregister_memory(addrs) == -3
+    assert engine.register_memory(addrs[0], 64 * 1024) == 0
+    assert engine.unregister_memory(addrs[0]) == 0
+
+    m = engine.allocate_managed_buffer(MiB)
+    assert m != 0
+    assert engine.write_bytes_to_buffer(m, b"kvferry", 7) == 0
+    assert engine.read_bytes_from_buffer(m, 7) == b"kvferry"
+    # A peer writes into the managed buffer (it is registered).
+    src = peer("alloc", 4096)
+    peer("put", src, b"from the peer")
+    assert peer.call("transfer_sync_write", engine.get_session_id(), src, m + 100, 13) == 0
+    assert engine.read_bytes_from_buffer(m + 100, 13) == b"from the peer"
+    assert engine.free_managed_buffer(m, MiB) == 0
+    assert engine.free_managed_buffer(m, MiB) == -1  # not (any more) a managed buffer
+    assert engine.allocate_managed_buffer(0) == 0
+
+    # The lowest address the peer registered, from a descriptor fetched now
+    # (an open session keeps the descriptor it fetched first).
+    with TransferEngine() as fresh:
+        assert fresh.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+        assert fresh.get_first_buffer_address(peer.session) == min(peer("addrs"))
+
+
+def test_send_probe(engine: TransferEngine, peer: script.Peer) -> None:
+    """send_probe: 0 for a live peer; Mooncake's socket error for a closed
+    port, fast."""
+    assert engine.send_probe(peer.session) == 0
+    t = time.monotonic()
+    assert engine.send_probe(f"{HOST}:{closed_port()}") == -102
+    assert time.monotonic() - t < 2
+    assert engine.send_probe("no-port") == -1
+
+
+# ------------------------------------------------------------- SGLang script
+
+
+def test_sglang_scenario_script() -> None:
+    """The SGLang-like script (P2PHANDSHAKE, session "host:port", many-buffer
+    batch_transfer_sync_write of KV pages, verify) passes on kvferry."""
+    r = subprocess.run([sys.executable, str(HERE / "mooncake_shim_script.py"), "--impl", "kvferry"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), r.stdout + r.stderr
+
+
+def mooncake_python() -> str:
+    """An interpreter with Mooncake: this one, or $KVFERRY_TEST_MOONCAKE_PYTHON."""
+    if importlib.util.find_spec("mooncake") is not None:
+        return sys.executable
+    return os.environ.get("KVFERRY_TEST_MOONCAKE_PYTHON", "")
+
+
+@pytest.mark.skipif(not mooncake_python(), reason="mooncake is not importable (pip install "
+                    "mooncake-transfer-engine-non-cuda, or set KVFERRY_TEST_MOONCAKE_PYTHON to a Python that has it)")
+def test_script_against_real_mooncake() -> None:
+    """The same script, unchanged, passes against the real Mooncake."""
+    r = subprocess.run([mooncake_python(), str(HERE / "mooncake_shim_script.py"), "--impl", "mooncake"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), r.stdout + r.stderr[-4000:]
+
+
+# --------------------------------------------------------------------- abort
+
+
+def test_pd_abort_mid_transfer_then_reuse(engine: TransferEngine, peer: script.Peer) -> None:
+    """The PD abort scenario through the shim: decode (the peer, owner of the
+    slots) aborts a request while prefill (us) writes 64 MiB into them, and
+    refills the slots as soon as the abort returned safe. No byte of the
+    aborted request lands afterwards, prefill's transfer ends with
+    ERR_ABORTED, the request id stays refused, and a new one works."""
+    size = 64 * MiB
+    slots = peer("alloc", size)
+    b, local = buf(size, b"\x5a")
+    assert engine.register_memory(local, size) == 0
+    me = engine.get_session_id()
+    caught = 0
+    try:
+        for attempt in range(3):
+            rid = 1000 + attempt
+            peer("fill", slots, size, 0)
+            n = 64
+            bid = engine.batch_transfer_async_write(peer.session, [local + i * MiB for i in range(n)],
+                                                    [slots + i * MiB for i in range(n)], [MiB] * n, request_id=rid)
+            assert bid != 0
+            ret, took = peer("abort_then_fill", rid, [me], 5.0, slots, size, 0xAB)
+            assert ret == 0, f"abort not safe after {took:.3f} s"
+            status = engine.get_batch_transfer_status([bid])
+            if status == -1:
+                assert engine.last_error()[0] == _lib.ERR_ABORTED, engine.last_error()
+                caught += 1
+            # Whatever the timing, nothing of the aborted request is in the
+            # reused slots once the abort returned safe.
+            assert peer("count_not", slots, size, 0xAB) == 0
+            # The aborted id stays refused; a fresh id moves data again.
+            assert engine.transfer_sync_write(peer.session, local, slots, 4096, request_id=rid) == -1
+            assert engine.last_error()[0] == _lib.ERR_ABORTED
+            assert peer("count_not", slots, size, 0xAB) == 0
+            fresh = pattern(rid, MiB)
+            ctypes.memmove(local + 5 * MiB, fresh, MiB)
+            assert engine.transfer_sync_write(peer.session, local + 5 * MiB, slots, MiB, request_id=rid + 100) == 0
+            assert peer("get", slots, MiB) == fresh
+            ctypes.memset(local + 5 * MiB, 0x5A, MiB)
+            if caught:
+                break
+        assert caught >= 1, "no abort landed while the transfer was in flight in 3 attempts"
+    finally:
+        assert engine.unregister_memory(local) == 0
+
+
+# --------------------------------------------------------------- deadlines
+
+
+def test_mc_transfer_timeout_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MC_TRANSFER_TIMEOUT as Mooncake reads it: atoi, at least 5 s, default 30."""
+    assert _mc_timeout_seconds(None) == 30
+    assert _mc_timeout_seconds("12") == 12
+    assert _mc_timeout_seconds("2") == 5
+    assert _mc_timeout_seconds(" 9s") == 9
+    assert _mc_timeout_seconds("junk") == 5
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "7")
+    e = TransferEngine()
+    assert e._timeout_s == 7.0  # read in the constructor, like Mooncake
+    with pytest.raises(ValueError):
+        TransferEngine(transfer_timeout=0)
+
+
+def test_sync_write_bounded_when_peer_paused() -> None:
+    """A sync write to a peer that stopped (SIGSTOP) returns -1 with
+    ERR_TIMEOUT by its deadline (transfer timeout + 1 ns per byte), and the
+    session works again once the peer resumes."""
+    p = script.Peer("kvferry")
+    e = TransferEngine(transfer_timeout=0.5)
+    try:
+        assert e.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+        size = 64 * MiB
+        remote = p("alloc", size)
+        pid = p("pid")
+        b, local = buf(size, b"\x11")
+        assert e.register_memory(local, size) == 0
+        assert e.transfer_sync_write(p.session, local, remote, 4096) == 0  # session open
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t = time.monotonic()
+            assert e.batch_transfer_sync_write(p.session, [local + i * MiB for i in range(64)],
+                                               [remote + i * MiB for i in range(64)], [MiB] * 64) == -1
+            took = time.monotonic() - t
+            assert e.last_error()[0] == _lib.ERR_TIMEOUT, e.last_error()
+            assert 0.5 <= took < 2.0, took
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        data = pattern(11, MiB)
+        ctypes.memmove(local, data, MiB)
+        assert e.transfer_sync_write(p.session, local, remote, MiB) == 0
+        assert p("get", remote, MiB) == data
+    finally:
+        e.close()
+        p.close()
+
+
+# --------------------------------------------------------------- bad inputs
+
+
+def closed_port() -> int:
+    """A local TCP port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def test_bad_transfers_give_mooncake_codes(engine: TransferEngine, peer: script.Peer, remote: int) -> None:
+    """Unregistered local or remote memory, unknown peers, malformed session
+    ids and mismatched lists return Mooncake's codes, never raise."""
+    b, local = buf(8192)
+    assert engine.transfer_sync_write(peer.session, local, remote, 16) == -1  # local not registered
+    assert engine.last_error()[0] == _lib.ERR_NOT_REGISTERED
+    assert engine.register_memory(local, 8192) == 0
+    try:
+        assert engine.transfer_sync_write(peer.session, local, 4096 * 7, 16) == -1  # remote not registered
+        assert engine.last_error()[0] == _lib.ERR_REMOTE_RANGE
+        assert engine.batch_transfer_sync_read(peer.session, [local], [remote, remote], [16]) == -1
+        assert engine.batch_transfer_async_write(peer.session, [local], [], [16]) == 0
+        t = time.monotonic()
+        unknown = f"{HOST}:{closed_port()}"
+        assert engine.transfer_sync_write(unknown, local, remote, 16) == -1
+        assert engine.batch_transfer_async_write(unknown, [local], [remote], [16]) == 0
+        assert engine.transfer_submit_write(unknown, local, remote, 16) == 0
+        assert engine.get_first_buffer_address(unknown) == 0
+        assert time.monotonic() - t < 2, "unknown peers must fail fast, as in Mooncake"
+        assert engine.transfer_sync_write("no-port", local, remote, 16) == -1
+        assert engine.get_batch_transfer_status([12345]) == -1
+        assert engine.transfer_check_status(12345) == -1
+        assert engine.register_memory(local, 8192) == -7
+        assert engine.register_memory(local + 4096, 16) == -7
+        assert engine.register_memory(local, 0) == -1
+        assert engine.unregister_memory(local + 1) == -3
+        assert engine.write_bytes_to_buffer(local, b"ab", 3) == -1
+        # The session still works after all that.
+        ctypes.memmove(local, b"still fine", 10)
+        assert engine.transfer_sync_write(peer.session, local, remote + 100, 10) == 0
+        assert peer("get", remote + 100, 10) == b"still fine"
+    finally:
+        assert engine.unregister_memory(local) == 0
+
+
+@pytest.mark.parametrize("call", [
+    lambda e, s: e.register_memory("0x1000", 16),
+    lambda e, s: e.register_memory(1 << 20, 1.5),
+    lambda e, s: e.register_memory(-4096, 16),
+    lambda e, s: e.unregister_memory(None),
+    lambda e, s: e.batch_register_memory([1 << 20], ["16"]),
+    lambda e, s: e.batch_register_memory("abc", [16]),
+    lambda e, s: e.transfer_sync_write(s, "a", 1 << 20, 16),
+    lambda e, s: e.transfer_sync_write(123, 1 << 20, 1 << 20, 16),
+    lambda e, s: e.batch_transfer_sync_write(s, [1 << 20], [1 << 20], [1.0]),
+    lambda e, s: e.batch_transfer_async_read(s, [-1], [1 << 20], [16]),
+    lambda e, s: e.get_batch_transfer_status(["x"]),
+    lambda e, s: e.write_bytes_to_buffer(1 << 20, 42, 1),
+    lambda e, s: e.transfer_sync(s, 1 << 20, 1 << 20, 16, "write"),
+    lambda e, s: e.transfer_sync_write(s, 1 << 20, 1 << 20, 16, request_id="r"),
+])
+def test_wrong_types_raise_type_error(engine: TransferEngine, peer: script.Peer, call) -> None:
+    """Arguments of the wrong type raise TypeError before anything is
+    touched, as pybind11 does for Mooncake."""
+    with pytest.raises(TypeError):
+        call(engine, peer.session)
+
+
+def test_engine_lifecycle_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before initialize() and after close() calls raise RuntimeError
+    (Mooncake crashes there); a second initialize() and unsupported
+    metadata servers return -1; "host:port" listens on that port; rdma is an
+    error, not a silent fallback, unless KVFERRY_PROTOCOL overrides it."""
+    e = TransferEngine()
+    with pytest.raises(RuntimeError, match="initialize"):
+        e.get_rpc_port()
+    with pytest.raises(RuntimeError):
+        e.register_memory(1 << 20, 4096)
+    with pytest.raises(RuntimeError):
+        e.transfer_sync_write(f"{HOST}:1", 1 << 20, 1 << 20, 16)
+
+    monkeypatch.delenv("KVFERRY_PROTOCOL", raising=False)
+    assert e.initialize(HOST, "etcd://127.0.0.1:2379", "tcp", "") == -1
+    assert "P2PHANDSHAKE" in e.last_error()[1]
+    assert e.initialize(HOST, "P2PHANDSHAKE", "rdma", "mlx5_0") == -1
+    assert "rdma" in e.last_error()[1] and "KVFERRY_PROTOCOL" in e.last_error()[1]
+    assert e.initialize(f"{HOST}:notaport", "P2PHANDSHAKE", "tcp", "") == -1
+
+    port = closed_port()
+    assert e.initialize(f"{HOST}:{port}", "P2PHANDSHAKE", "tcp", "") == 0
+    assert e.get_rpc_port() == port
+    assert e.get_session_id() == f"{HOST}:{port}"
+    assert e.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == -1  # already initialized
+
+    b, local = buf(MiB)
+    assert e.register_memory(local, MiB) == 0
+    # A batch in flight at close() is canceled; close() returns once the
+    # engine no longer touches our memory.
+    assert e.batch_transfer_async_write(e.get_session_id(), [local], [local + MiB // 2], [MiB // 2]) != 0
+    e.close()
+    e.close()  # idempotent
+    for call in (e.get_rpc_port, lambda: e.unregister_memory(local), lambda: e.get_batch_transfer_status([1]),
+                 lambda: e.initialize(HOST, "P2PHANDSHAKE", "tcp", "")):
+        with pytest.raises(RuntimeError):
+            call()
+
+    monkeypatch.setenv("KVFERRY_PROTOCOL", "tcp")  # read by initialize(), not at library load
+    with TransferEngine() as f:
+        assert f.initialize(HOST, "P2PHANDSHAKE", "rdma", "") == 0
+    # An engine dropped without close() is destroyed by the garbage collector.
+    g = TransferEngine()
+    assert g.initialize(HOST, "P2PHANDSHAKE", "tcp", "") == 0
+    del g
+    gc.collect()
+
+
+def test_local_segment_and_request_ids(engine: TransferEngine) -> None:
+    """Transfers to the engine's own session id (the local segment) and the
+    request_id keyword on every transfer call."""
+    b, local = buf(MiB)
+    assert engine.register_memory(local, MiB) == 0
+    try:
+        data = pattern(12, 4096)
+        ctypes.memmove(local, data, 4096)
+        me = engine.get_session_id()
+        assert engine.transfer_sync_write(me, local, local + 8192, 4096, request_id=5) == 0
+        assert engine.transfer_sync_read(me, local + 16384, local + 8192, 4096, "tcp", request_id=5) == 0
+        assert ctypes.string_at(local + 16384, 4096) == data
+        n = 1000
+        srcs = [local + (i % 64) * 64 for i in range(n)]
+        dsts = [local + MiB // 2 + i * 64 for i in range(n)]
+        assert engine.batch_transfer_sync_write(me, srcs, dsts, [64] * n, request_id=6) == 0
+        got = ctypes.string_at(local + MiB // 2, n * 64)
+        assert all(got[i * 64:(i + 1) * 64] == data[(i % 64) * 64:(i % 64 + 1) * 64] for i in range(n))
+        bid = engine.batch_transfer_async_read(me, [local + 4096], [local], [4096], request_id=7)
+        assert engine.get_batch_transfer_status([bid]) == 0
+        assert ctypes.string_at(local + 4096, 4096) == data
+    finally:
+        assert engine.unregister_memory(local) == 0
