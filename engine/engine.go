@@ -128,8 +128,10 @@ func New(opts Options) (*Engine, error) {
 	e.closeCtx, e.cancel = context.WithCancel(context.Background())
 	plane, err := control.Listen(host, opts.Port, e.log)
 	if err != nil {
+		// Mostly a host that is not ours or a port in use: the options'
+		// fault, not an internal one.
 		e.cancel()
-		return nil, fmt.Errorf("kvferry: %w", err)
+		return nil, fmt.Errorf("kvferry: %w: %w", ErrInvalidArg, err)
 	}
 	e.plane = plane
 	e.tcp = tcp.New(tcp.Options{ListenHost: host, IOTimeout: opts.IOTimeout, Logger: e.log, ApplyDelay: opts.Testing.ApplyDelay})
@@ -137,7 +139,7 @@ func New(opts Options) (*Engine, error) {
 	if err != nil {
 		e.cancel()
 		_ = plane.Close()
-		return nil, fmt.Errorf("kvferry: %w", err)
+		return nil, fmt.Errorf("kvferry: %w: %w", ErrInvalidArg, err)
 	}
 	e.local = local.New(e, plane.Name())
 	e.desc = control.Descriptor{

@@ -188,7 +188,8 @@ static inline void kvf_engine_options_init(kvf_engine_options *opts) {
  * on host. opts may be NULL (all defaults). On success *out is the engine;
  * destroy it with kvf_engine_destroy. A struct_size larger than this library
  * knows is accepted when the unknown tail is all zero, else
- * KVF_ERR_UNSUPPORTED. Blocks for the binds only. */
+ * KVF_ERR_UNSUPPORTED. A host that is not this machine's or a port in use
+ * is KVF_ERR_INVALID, naming the address. Blocks for the binds only. */
 kvf_status kvf_engine_create(const kvf_engine_options *opts, kvf_engine *out);
 
 /* Destroys an engine: transfers in flight end CANCELED, open segments are

@@ -173,6 +173,10 @@ class KvferryError(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self):
+        # Rebuilt from (code, message), so it crosses multiprocessing pipes.
+        return (type(self), (self.code, self.message))
+
 
 class LibraryNotFound(ImportError):
     """libkvferry.so could not be loaded; the message lists where it looked."""
