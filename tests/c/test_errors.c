@@ -297,7 +297,7 @@ static void test_requests(void) {
 
     /* A stale buffer key: the peer registers its range again after we cached
      * its descriptor; the owner refuses the old key, and no retry routes
-     * around the refusal. */
+     * around the refusal (the next transfer is planned afresh). */
     CHECK_OK(kvf_transfer_sync(e, &ok, 1, 5000, NULL));
     uint8_t *pm = NULL;
     CHECK(posix_memalign((void **)&pm, 4096, 65536) == 0, "posix_memalign");
@@ -311,6 +311,11 @@ static void test_requests(void) {
     EXPECT_ERR(kvf_transfer_sync(e, &k, 1, 5000, &kst), KVF_ERR_STALE_KEY, "task 0");
     CHECK(kst.state == KVF_TASK_FAILED && kst.error == KVF_ERR_STALE_KEY, "state %s error %s",
           kvf_task_state_str(kst.state), kvf_status_str(kst.error));
+    /* The refusal made the segment refresh its descriptor: the next
+     * transfer is planned under the new key and lands. */
+    CHECK_OK(kvf_transfer_sync(e, &k, 1, 5000, NULL));
+    CHECK_OK(kvf_unregister_memory(peer, pm));
+    CHECK_OK(kvf_register_memory(peer, pm, 65536, NULL));
     CHECK_OK(kvf_batch_alloc(e, 1, &b));
     CHECK_OK(kvf_batch_submit(b, &k, 1));
     EXPECT_ERR(kvf_batch_wait(b, 5000), KVF_ERR_STALE_KEY, "task 0");
