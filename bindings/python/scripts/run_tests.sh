@@ -40,6 +40,26 @@ if [ "${KVFERRY_TEST_KEEP_ENV:-}" != 1 ]; then
   done
 fi
 
+# Side by side with the real thing: the SGLang-style shim script also runs
+# against PyPI's mooncake-transfer-engine-non-cuda when it can be installed
+# (into a venv of its own, kept in the build folder); offline, that test
+# skips and says why. KVFERRY_TEST_NO_MOONCAKE=1 skips the install.
+if [ -z "${KVFERRY_TEST_MOONCAKE_PYTHON:-}" ] && [ "${KVFERRY_TEST_NO_MOONCAKE:-}" != 1 ]; then
+  mc="$build_dir/mooncake-venv"
+  if [ ! -x "$mc/bin/python" ] || ! "$mc/bin/python" -c 'import mooncake.engine' 2>/dev/null; then
+    echo "test-python: installing mooncake-transfer-engine-non-cuda into $mc for the side-by-side test"
+    rm -rf "$mc"
+    if ! { "$python" -m venv "$mc" && timeout 300 "$mc/bin/python" -m pip install -q --disable-pip-version-check \
+        mooncake-transfer-engine-non-cuda; } >/dev/null 2>&1; then
+      echo "test-python: could not install Mooncake (offline?); its side-by-side test will skip"
+      rm -rf "$mc"
+    fi
+  fi
+  if [ -x "$mc/bin/python" ] && "$mc/bin/python" -c 'import mooncake.engine' 2>/dev/null; then
+    export KVFERRY_TEST_MOONCAKE_PYTHON="$mc/bin/python"
+  fi
+fi
+
 cd "$repo/bindings/python"
 # -ra: the reason of every skip, xfail and failure in the summary (a skip is
 # never a pass); no cache directory in the source tree.
