@@ -218,6 +218,7 @@ class TransferEngine:
         self._segments: Dict[str, int] = {}
         self._batches: Dict[int, _Batch] = {}
         self._managed: Set[int] = set()
+        self._ranges: Dict[int, int] = {}  # registered or allocated through us: start -> length
         self._tls = threading.local()
 
     # ------------------------------------------------------------------ setup
@@ -337,14 +338,20 @@ class TransferEngine:
         length = _uint(capacity, "capacity")
         loc = _str(location, "location")
         e = self._require()
-        return self._memory_code(self._lib.kvf_register_memory(e, addr, length, loc.encode()))
+        code = self._memory_code(self._lib.kvf_register_memory(e, addr, length, loc.encode()))
+        if code == 0:
+            self._track([addr], [length])
+        return code
 
     def unregister_memory(self, buffer_addr: int) -> int:
         """Unregisters the range starting at buffer_addr; returns once no copy
         into or out of it runs. 0, or -3 when nothing is registered there."""
         addr = _uint(buffer_addr, "buffer_addr")
         e = self._require()
-        return self._memory_code(self._lib.kvf_unregister_memory(e, addr))
+        code = self._memory_code(self._lib.kvf_unregister_memory(e, addr))
+        if code == 0:
+            self._untrack([addr])
+        return code
 
     def batch_register_memory(self, buffer_addresses: List[int], capacities: List[int],
                               location: str = "*") -> int:
@@ -364,7 +371,10 @@ class TransferEngine:
             r.addr = a
             r.len = n
             r.location = loc
-        return self._memory_code(self._lib.kvf_register_memory_batch(e, ranges, len(addrs)))
+        code = self._memory_code(self._lib.kvf_register_memory_batch(e, ranges, len(addrs)))
+        if code == 0:
+            self._track(addrs, lens)
+        return code
 
     def batch_unregister_memory(self, buffer_addresses: List[int]) -> int:
         """Unregisters every range by start address, all or none."""
@@ -373,7 +383,10 @@ class TransferEngine:
         if not addrs:
             return 0
         ptrs = (c_void_p * len(addrs))(*addrs)
-        return self._memory_code(self._lib.kvf_unregister_memory_batch(e, ptrs, len(addrs)))
+        code = self._memory_code(self._lib.kvf_unregister_memory_batch(e, ptrs, len(addrs)))
+        if code == 0:
+            self._untrack(addrs)
+        return code
 
     def allocate_managed_buffer(self, length: int) -> int:
         """Maps and registers length bytes owned by the engine; the address,
@@ -387,6 +400,7 @@ class TransferEngine:
             return 0
         with self._lock:
             self._managed.add(out.value)
+        self._track([out.value], [n])
         return out.value
 
     def free_managed_buffer(self, buffer_addr: int, length: int) -> int:
@@ -401,7 +415,27 @@ class TransferEngine:
             return self._fail(code, self._err())
         with self._lock:
             self._managed.discard(addr)
+            size = self._ranges.get(addr, 0)
+            # Freeing unregisters every range inside the buffer too.
+            for a in [a for a in self._ranges if addr <= a < addr + size]:
+                del self._ranges[a]
         return 0
+
+    def _track(self, addrs: List[int], lens: List[int]) -> None:
+        with self._lock:
+            self._ranges.update(zip(addrs, lens))
+
+    def _untrack(self, addrs: List[int]) -> None:
+        with self._lock:
+            for a in addrs:
+                self._ranges.pop(a, None)
+
+    def _inside(self, addr: int, n: int) -> bool:
+        """Whether [addr, +n) lies in memory registered (or allocated) through
+        this engine: the raw copies below touch nothing else, so a wrong
+        address is an error, not a crash of the interpreter."""
+        with self._lock:
+            return any(a <= addr and addr + n <= a + ln for a, ln in self._ranges.items())
 
     def write_bytes_to_buffer(self, dest_address: int, src_ptr: Union[bytes, bytearray, memoryview, str],
                               length: int) -> int:
@@ -419,6 +453,9 @@ class TransferEngine:
             return self._fail(_lib.ERR_INVALID, f"write_bytes_to_buffer: length {n} > {len(data)} bytes given")
         if n == 0:
             return 0
+        if not self._inside(dest, n):
+            return self._fail(_lib.ERR_NOT_REGISTERED, f"write_bytes_to_buffer: [{dest:#x}, +{n}) is not memory "
+                                                      "registered or allocated through this engine")
         if isinstance(data, bytes):
             ctypes.memmove(dest, data, n)
         else:
@@ -430,6 +467,11 @@ class TransferEngine:
         """length bytes of this process's memory at source_address."""
         src = _uint(source_address, "source_address")
         n = _uint(length, "length")
+        if n and not self._inside(src, n):
+            # Mooncake returns bytes here and has no error code: it would
+            # read any address; a wrong one is refused instead of crashing.
+            raise ValueError(f"read_bytes_from_buffer: [{src:#x}, +{n}) is not memory registered or "
+                             "allocated through this engine")
         return ctypes.string_at(src, n) if n else b""
 
     # --------------------------------------------------------------- sessions

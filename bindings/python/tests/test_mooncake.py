@@ -478,3 +478,25 @@ def test_local_segment_and_request_ids(engine: TransferEngine) -> None:
         assert ctypes.string_at(local + 4096, 4096) == data
     finally:
         assert engine.unregister_memory(local) == 0
+
+
+def test_raw_buffer_copies_refuse_memory_not_ours() -> None:
+    """write_bytes_to_buffer / read_bytes_from_buffer copy raw memory; an
+    address that is not registered or allocated through the engine (0, a
+    freed buffer) is an error, never a crash of the interpreter."""
+    from kvferry.mooncake import TransferEngine
+
+    with TransferEngine() as e:
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        buf = e.allocate_managed_buffer(1 << 16)
+        assert buf != 0
+        assert e.write_bytes_to_buffer(buf + 8, b"abc", 3) == 0
+        assert e.read_bytes_from_buffer(buf + 8, 3) == b"abc"
+        assert e.write_bytes_to_buffer(0, b"abc", 3) < 0
+        assert e.write_bytes_to_buffer(buf + (1 << 16) - 1, b"abc", 3) < 0  # runs past the end
+        with pytest.raises(ValueError):
+            e.read_bytes_from_buffer(0, 3)
+        assert e.free_managed_buffer(buf, 1 << 16) == 0
+        assert e.write_bytes_to_buffer(buf, b"abc", 3) < 0  # freed: unmapped
+        with pytest.raises(ValueError):
+            e.read_bytes_from_buffer(buf, 3)
