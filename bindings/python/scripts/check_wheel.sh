@@ -30,7 +30,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
 wheel=$(readlink -f "${1:?usage: check_wheel.sh WHEEL [UNBUNDLED_LIBRARY [WORK_DIR]]}")
 control=$(readlink -f "${2:-$repo/build/libkvferry.so}")
-work=${3:-$repo/build/python-wheel}
+work=$(mkdir -p "${3:-$repo/build/python-wheel}" && cd "${3:-$repo/build/python-wheel}" && pwd) # absolute: the checks run from /
 python=${PYTHON:-python3}
 smoke="$repo/bindings/python/scripts/wheel_smoke.py"
 
