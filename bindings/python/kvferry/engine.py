@@ -585,24 +585,31 @@ class Buffer:
 
     def write(self, data: Any, offset: int = 0) -> None:
         """Copies a bytes-like object into the buffer at offset."""
+        # The check and the copy hold the engine's memory lock: memmove
+        # releases the GIL, and a free or close in another thread must not
+        # unmap the buffer in between.
         if isinstance(data, bytes):
-            dst = self._span(offset, len(data))
-            ctypes.memmove(dst, data, len(data))
+            with self._engine._mem_lock:
+                dst = self._span(offset, len(data))
+                ctypes.memmove(dst, data, len(data))
             return
         with memoryview(data) as mv:
             n = mv.nbytes
-            dst = self._span(offset, n)
             if n:
                 # from_buffer needs a writable export; a read-only one is copied once.
                 src = (ctypes.c_char * n).from_buffer_copy(mv) if mv.readonly else (ctypes.c_char * n).from_buffer(mv)
-                ctypes.memmove(dst, src, n)
+            with self._engine._mem_lock:
+                dst = self._span(offset, n)
+                if n:
+                    ctypes.memmove(dst, src, n)
 
     def read(self, length: Optional[int] = None, offset: int = 0) -> bytes:
         """A copy of length bytes (default: to the end) from offset."""
         offset = _as_int(offset, "offset")
         n = self.length - offset if length is None else _as_int(length, "length")
-        src = self._span(offset, n)
-        return ctypes.string_at(src, n) if n else b""
+        with self._engine._mem_lock:  # see write
+            src = self._span(offset, n)
+            return ctypes.string_at(src, n) if n else b""
 
     def view(self) -> memoryview:
         """A writable memoryview of the whole buffer, without copying.
@@ -611,7 +618,11 @@ class Buffer:
         the engine closed (the memory is unmapped then)."""
         if self.freed:
             raise EngineClosedError(_lib.ERR_CLOSED, f"kvferry.Buffer {self.addr:#x}: the buffer was freed")
-        return memoryview((ctypes.c_char * self.length).from_address(self.addr)).cast("B")
+        arr = (ctypes.c_char * self.length).from_address(self.addr)
+        # The view keeps arr alive, and arr keeps this buffer and its engine:
+        # the garbage collector cannot unmap the memory under a live view.
+        arr._owner = self  # type: ignore[attr-defined]
+        return memoryview(arr).cast("B")
 
     def free(self) -> None:
         """Same as ``engine.free_buffer(self)``."""
@@ -689,6 +700,7 @@ class Engine:
         handle: int = h.value or 0
         self._h = handle
         self._lock = threading.Lock()
+        self._mem_lock = threading.Lock()  # held by raw Buffer copies and by what unmaps buffers
         # Registered Python objects by start address: they must stay alive
         # (and unmoved) while the engine may touch them.
         self._keep: dict = {}
@@ -744,12 +756,13 @@ class Engine:
             return
         self._finalizer.detach()
         lib = _L()
-        code = lib.kvf_engine_destroy(h)
-        msg = _last_error(lib) if code else ""
+        with self._mem_lock:  # destroy unmaps the buffers: no raw copy meanwhile
+            code = lib.kvf_engine_destroy(h)
+            msg = _last_error(lib) if code else ""
+            for b in self._buffers.values():
+                b._freed = True
+            self._buffers.clear()
         self._keep.clear()
-        for b in self._buffers.values():
-            b._freed = True
-        self._buffers.clear()
         if code:
             raise error_for(code, msg)
 
@@ -875,8 +888,8 @@ class Engine:
         registers them. The engine owns the memory: :meth:`free_buffer`, or
         :meth:`close`, unmaps it."""
         n = _as_int(length, "length")
-        if n <= 0:
-            raise ValueError(f"length {n}: must be > 0")
+        if n <= 0 or n >= 1 << 63:
+            raise ValueError(f"length {n}: must be > 0 and < 2**63")
         if location is not None and not isinstance(location, str):
             raise TypeError(f"location must be a str, not {type(location).__name__}")
         lib = _L()
@@ -892,10 +905,11 @@ class Engine:
         address is not the start of one."""
         addr = _u64(buf, "address")
         lib = _L()
-        _check(lib, lib.kvf_free_buffer(self._handle(), addr))
-        b = self._buffers.pop(addr, None)
-        if b is not None:
-            b._freed = True
+        with self._mem_lock:  # no raw copy of Buffer runs while it unmaps
+            _check(lib, lib.kvf_free_buffer(self._handle(), addr))
+            b = self._buffers.pop(addr, None)
+            if b is not None:
+                b._freed = True
 
     # -- segments and batches ---------------------------------------------
 

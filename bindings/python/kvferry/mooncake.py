@@ -219,6 +219,8 @@ class TransferEngine:
         self._batches: Dict[int, _Batch] = {}
         self._managed: Set[int] = set()
         self._ranges: Dict[int, int] = {}  # registered or allocated through us: start -> length
+        self._raw_lock = threading.Lock()  # held by raw copies and by what unmaps managed buffers
+        self._pid = os.getpid()
         self._tls = threading.local()
 
     # ------------------------------------------------------------------ setup
@@ -301,6 +303,10 @@ class TransferEngine:
         engine, self._engine = self._engine, None
         if engine is None:
             return
+        if os.getpid() != self._pid:
+            # A forked child: the Go runtime did not survive the fork, and
+            # a call into it would hang; the parent owns the engine.
+            return
         with self._lock:
             batches = list(self._batches.values())
             self._batches.clear()
@@ -312,7 +318,10 @@ class TransferEngine:
             self._lib.kvf_batch_free(b.handle)
         for s in segments:
             self._lib.kvf_close_segment(s)
-        self._lib.kvf_engine_destroy(engine)
+        with self._raw_lock:  # destroy unmaps managed buffers: no raw copy meanwhile
+            self._lib.kvf_engine_destroy(engine)
+            with self._lock:
+                self._ranges.clear()
 
     def __enter__(self) -> "TransferEngine":
         return self
@@ -410,15 +419,19 @@ class TransferEngine:
         addr = _uint(buffer_addr, "buffer_addr")
         _uint(length, "length")
         e = self._require()
-        code = self._lib.kvf_free_buffer(e, addr)
+        # No raw copy runs while the buffer is unmapped and until its ranges
+        # are forgotten.
+        with self._raw_lock:
+            code = self._lib.kvf_free_buffer(e, addr)
+            if code == _lib.OK:
+                with self._lock:
+                    self._managed.discard(addr)
+                    size = self._ranges.get(addr, 0)
+                    # Freeing unregisters every range inside the buffer too.
+                    for a in [a for a in self._ranges if addr <= a < addr + size]:
+                        del self._ranges[a]
         if code != _lib.OK:
             return self._fail(code, self._err())
-        with self._lock:
-            self._managed.discard(addr)
-            size = self._ranges.get(addr, 0)
-            # Freeing unregisters every range inside the buffer too.
-            for a in [a for a in self._ranges if addr <= a < addr + size]:
-                del self._ranges[a]
         return 0
 
     def _track(self, addrs: List[int], lens: List[int]) -> None:
@@ -453,26 +466,34 @@ class TransferEngine:
             return self._fail(_lib.ERR_INVALID, f"write_bytes_to_buffer: length {n} > {len(data)} bytes given")
         if n == 0:
             return 0
-        if not self._inside(dest, n):
+        self._require()
+        if isinstance(data, bytes):
+            src = data
+        else:
+            src = bytes(memoryview(data)[:n])
+        with self._raw_lock:  # memmove releases the GIL: no free may unmap dest meanwhile
+            inside = self._inside(dest, n)
+            if inside:
+                ctypes.memmove(dest, src, n)
+        if not inside:
             return self._fail(_lib.ERR_NOT_REGISTERED, f"write_bytes_to_buffer: [{dest:#x}, +{n}) is not memory "
                                                       "registered or allocated through this engine")
-        if isinstance(data, bytes):
-            ctypes.memmove(dest, data, n)
-        else:
-            tmp = bytes(memoryview(data)[:n])
-            ctypes.memmove(dest, tmp, n)
         return 0
 
     def read_bytes_from_buffer(self, source_address: int, length: int) -> bytes:
         """length bytes of this process's memory at source_address."""
         src = _uint(source_address, "source_address")
         n = _uint(length, "length")
-        if n and not self._inside(src, n):
-            # Mooncake returns bytes here and has no error code: it would
-            # read any address; a wrong one is refused instead of crashing.
-            raise ValueError(f"read_bytes_from_buffer: [{src:#x}, +{n}) is not memory registered or "
-                             "allocated through this engine")
-        return ctypes.string_at(src, n) if n else b""
+        if not n:
+            return b""
+        self._require()
+        with self._raw_lock:  # see write_bytes_to_buffer
+            if self._inside(src, n):
+                return ctypes.string_at(src, n)
+        # Mooncake returns bytes here and has no error code: it would read
+        # any address; a wrong one is refused instead of crashing.
+        raise ValueError(f"read_bytes_from_buffer: [{src:#x}, +{n}) is not memory registered or "
+                         "allocated through this engine")
 
     # --------------------------------------------------------------- sessions
 
@@ -691,6 +712,10 @@ class TransferEngine:
             if self._closed:
                 raise RuntimeError("kvferry.mooncake.TransferEngine is closed")
             raise RuntimeError("kvferry.mooncake.TransferEngine: call initialize() first (and check it returned 0)")
+        if os.getpid() != self._pid:
+            raise RuntimeError("kvferry.mooncake.TransferEngine: this process was forked after the engine was "
+                               "created; the library does not survive fork: start workers with multiprocessing's "
+                               "spawn or forkserver")
         return e
 
     @staticmethod
@@ -745,7 +770,9 @@ class TransferEngine:
         try:
             with socket.create_connection((host, port), timeout=min(_CONNECT_CHECK_S, self._timeout_s)):
                 pass
-        except socket.gaierror as e:
+        except (socket.gaierror, UnicodeError, ValueError) as e:
+            # UnicodeError: a label too long for IDNA; never raised to the
+            # caller, who gets Mooncake's code.
             self._fail(_lib.ERR_UNREACHABLE, f"session {name!r}: host does not resolve: {e}")
             return MC_ERR_DNS
         except ConnectionRefusedError as e:
