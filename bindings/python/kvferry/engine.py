@@ -326,6 +326,15 @@ def _u64(value: Any, what: str) -> int:
     return v
 
 
+def _index(value: Any, what: str = "index") -> int:
+    """An index or count for a size_t argument: ctypes would wrap anything
+    outside [0, 2**63) silently into another, valid-looking one."""
+    v = _as_int(value, what)
+    if not 0 <= v < 1 << 63:
+        raise ValueError(f"{what} {v}: must be in [0, 2**63)")
+    return v
+
+
 def library_version() -> str:
     """The loaded library's version string ("0.2.0"); loads it if needed."""
     return _L().kvf_version_string().decode()
@@ -1162,8 +1171,8 @@ class Engine:
         ``timeout`` seconds for the first one (0: do not wait); [] when none
         arrived in time."""
         cap = _as_int(max, "max")
-        if cap <= 0:
-            raise ValueError(f"max {cap}: must be > 0")
+        if not 0 < cap <= 1 << 20:  # the library's bound, checked before allocating
+            raise ValueError(f"max {cap}: must be in [1, 2**20]")
         if timeout is None:
             raise TypeError("poll_events needs a timeout in seconds (0: do not wait)")
         ms = _timeout_ms(timeout, allow_zero=True)
@@ -1268,7 +1277,7 @@ class Segment:
         h = self._handle()
         lib = _L()
         a, ln = c_uint64(), c_uint64()
-        _check(lib, lib.kvf_segment_buffer(h, _as_int(index, "index"), byref(a), byref(ln)))
+        _check(lib, lib.kvf_segment_buffer(h, _index(index), byref(a), byref(ln)))
         return a.value, ln.value
 
     def notify(self, request_id: int, data: Any = b"") -> None:
@@ -1281,9 +1290,12 @@ class Segment:
         after a WRITE completed, it arrives after that WRITE's bytes are
         visible at the peer."""
         rid = _u64(request_id, "request_id")
-        if isinstance(data, str):
-            raise TypeError("notify data must be bytes-like, not str (encode it)")
-        payload = bytes(data)
+        if isinstance(data, (str, int)):
+            # bytes(10) would be ten zero bytes, and bytes(10**12) a huge
+            # allocation: only bytes-like objects are data.
+            raise TypeError(f"notify data must be bytes-like, not {type(data).__name__}")
+        with memoryview(data) as mv:
+            payload = mv.tobytes()
         if len(payload) > _lib.EVENT_DATA_MAX:
             raise ValueError(f"notify data is {len(payload)} bytes; at most {_lib.EVENT_DATA_MAX}")
         lib = _L()
@@ -1334,7 +1346,7 @@ class Batch:
     is freed."""
 
     def __init__(self, engine: Engine, capacity: int) -> None:
-        cap = _as_int(capacity, "capacity")
+        cap = _index(capacity, "capacity")
         if cap <= 0:
             raise ValueError(f"capacity {cap}: must be > 0")
         lib = _L()
@@ -1397,7 +1409,7 @@ class Batch:
         """The status of task ``index``; never blocks."""
         lib = _L()
         s = _lib.TaskStatus()
-        _check(lib, lib.kvf_batch_status(self._handle(), _as_int(index, "index"), byref(s)))
+        _check(lib, lib.kvf_batch_status(self._handle(), _index(index), byref(s)))
         return _status(s.state, s.error, s.transferred)
 
     def statuses(self) -> List[TaskStatus]:
@@ -1414,7 +1426,7 @@ class Batch:
         """The message of task ``index``'s error ("" in flight or completed)."""
         h = self._handle()
         lib = _L()
-        i = _as_int(index, "index")
+        i = _index(index)
         n = c_size_t(0)
         buf = ctypes.create_string_buffer(512)
         code = lib.kvf_batch_task_error(h, i, buf, len(buf), byref(n))

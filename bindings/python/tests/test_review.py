@@ -131,3 +131,22 @@ def test_shim_engine_survives_a_forked_child() -> None:
         assert os.waitstatus_to_exitcode(status) == 0, status
         t.close()
     """, timeout=30)
+
+
+def test_indices_notify_data_and_poll_max_are_checked_before_the_library() -> None:
+    """Values ctypes would wrap (indices past 2**64, negative ones) or
+    misread (an int as notify data) are refused in Python."""
+    run_child("""
+        import kvferry, pytest
+        with kvferry.Engine() as e:
+            seg = e.open_segment(e.name)
+            b = e.batch(1)
+            for bad in (lambda: seg.buffer(2**64), lambda: e.batch(2**64 + 1), lambda: b.status(2**64),
+                        lambda: b.status(-2**64), lambda: e.poll_events(0, 10**7)):
+                with pytest.raises(ValueError):
+                    bad()
+            for data in (10, True):
+                with pytest.raises(TypeError):
+                    seg.notify(1, data)
+            b.free()
+    """)
