@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"net"
 	"testing"
 	"time"
 
@@ -112,5 +113,25 @@ func TestTimedOutTransferTellsTheOwner(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("the owner was not told")
+	}
+}
+
+// TestOpenSegmentWhereNothingListensFailsAtOnce: ZMQ would retry the
+// connection until the deadline; a refused TCP connect ends it at once.
+func TestOpenSegmentWhereNothingListensFailsAtOnce(t *testing.T) {
+	e := newEngineWith(t, engine.Options{})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := ln.Addr().String()
+	_ = ln.Close() // nothing listens there now
+	start := time.Now()
+	_, err = e.OpenSegment(testCtx(t, 10*time.Second), name)
+	if !errors.Is(err, engine.ErrUnreachable) {
+		t.Fatalf("open %s: %v, want ErrUnreachable", name, err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("open %s took %v: waited for the deadline", name, d)
 	}
 }

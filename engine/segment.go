@@ -7,6 +7,7 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/kvferry/kvferry/engine/control"
@@ -23,8 +24,29 @@ type Resolver interface {
 type p2pResolver struct{ plane *control.Plane }
 
 func (r p2pResolver) Resolve(ctx context.Context, name string) (*control.Descriptor, error) {
+	// ZMQ connects lazily and retries for ever, so a peer that is not
+	// there would cost the whole deadline: a plain TCP connect alongside
+	// tells a refused connection at once.
+	ctx, cancel := context.WithCancelCause(ctx)
+	probed := make(chan struct{})
+	go func() {
+		defer close(probed)
+		var d net.Dialer
+		c, err := d.DialContext(ctx, "tcp", name)
+		if err == nil {
+			_ = c.Close()
+		} else if errors.Is(err, syscall.ECONNREFUSED) {
+			cancel(fmt.Errorf("%w: %s: connection refused (nothing listens there)", control.ErrUnreachable, name))
+		}
+	}()
 	t, body, err := r.plane.Request(ctx, name, control.MsgGetDescriptor, nil)
+	cause := context.Cause(ctx)
+	cancel(nil)
+	<-probed
 	if err != nil {
+		if errors.Is(cause, control.ErrUnreachable) {
+			return nil, cause
+		}
 		return nil, err
 	}
 	if t != control.MsgDescriptor {
@@ -76,7 +98,9 @@ func (s *Segment) Descriptor() *control.Descriptor {
 }
 
 // OpenSegment opens the segment called name ("host:port"), fetching its
-// descriptor; the engine's own name opens the local segment.
+// descriptor; the engine's own name opens the local segment. A name where
+// nothing listens fails at once with ErrUnreachable (connection refused); a
+// peer that does not answer fails at ctx's deadline.
 func (e *Engine) OpenSegment(ctx context.Context, name string) (*Segment, error) {
 	if err := e.checkOpen(); err != nil {
 		return nil, err

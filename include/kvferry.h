@@ -296,7 +296,8 @@ kvf_status kvf_free_buffer(kvf_engine engine, void *addr);
  * engine's own name opens the local segment (transfers become a checked
  * memcpy). Blocks up to timeout_ms (> 0, or KVF_TIMEOUT_DEFAULT: the
  * engine's default); a peer that does not answer in time gives
- * KVF_ERR_UNREACHABLE.
+ * KVF_ERR_UNREACHABLE, and so does, at once, a name where nothing listens
+ * (connection refused).
  * Each call returns a new handle; handles of the same name share one
  * connection set, which closes when the last of them is closed. */
 kvf_status kvf_open_segment(kvf_engine engine, const char *name, int timeout_ms, kvf_segment *out);
