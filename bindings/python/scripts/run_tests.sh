@@ -28,6 +28,15 @@ if ! "$python" -c 'import pytest' 2>/dev/null; then
   fi
 fi
 
+# NumPy arrays are one of the memory kinds the binding registers: install
+# NumPy for the tests when it can be (never imported by kvferry itself);
+# offline, those tests skip and say why.
+if [ "${KVFERRY_TEST_NO_NUMPY:-}" != 1 ] && ! "$python" -c 'import numpy' 2>/dev/null; then
+  echo "test-python: installing numpy for the tests that register NumPy arrays"
+  timeout 300 "$python" -m pip install -q --disable-pip-version-check numpy >/dev/null 2>&1 ||
+    echo "test-python: could not install numpy (offline?); its tests will skip"
+fi
+
 # The Go runtime reads the environment the process was started with, not
 # os.environ: a developer's KVFERRY_PROTOCOL or MC_TRANSFER_TIMEOUT must not
 # reach pytest's own process (tests/conftest.py cleans it for the children).
