@@ -267,15 +267,7 @@ func (e *Engine) forgetPending(pa *pendingAbort) {
 
 // startBackground counts a background goroutine in, unless the engine is
 // closing; Close waits for those counted.
-func (e *Engine) startBackground() bool {
-	e.retryMu.Lock()
-	defer e.retryMu.Unlock()
-	if e.closing.Load() {
-		return false
-	}
-	e.bg.Add(1)
-	return true
-}
+func (e *Engine) startBackground() bool { return e.startIn(&e.bg) }
 
 // handleAbortAck takes an initiator's ABORT_ACK (on the plane's loop).
 func (e *Engine) handleAbortAck(from string, body []byte) (control.MsgType, []byte) {

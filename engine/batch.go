@@ -428,13 +428,18 @@ func sliceDone(ts *transport.Slice, err error) {
 
 // startRetry counts a retry goroutine in, unless the engine is closing;
 // Close waits for those counted.
-func (e *Engine) startRetry() bool {
+func (e *Engine) startRetry() bool { return e.startIn(&e.retrying) }
+
+// startIn counts a goroutine in wg, unless the engine is closing: retryMu
+// orders it against Close, which sets closing under it before waiting on
+// wg.
+func (e *Engine) startIn(wg *sync.WaitGroup) bool {
 	e.retryMu.Lock()
 	defer e.retryMu.Unlock()
 	if e.closing.Load() {
 		return false
 	}
-	e.retrying.Add(1)
+	wg.Add(1)
 	return true
 }
 

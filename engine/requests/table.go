@@ -113,6 +113,16 @@ type shard struct {
 	m  map[uint64]*state
 }
 
+// stateLocked returns rid's state, creating it; the shard is locked.
+func (sh *shard) stateLocked(rid uint64) *state {
+	st := sh.m[rid]
+	if st == nil {
+		st = &state{}
+		sh.m[rid] = st
+	}
+	return st
+}
+
 type tombRef struct {
 	rid   uint64
 	since time.Time
@@ -225,8 +235,7 @@ func (g *guard) Enter() error {
 		return err
 	}
 	if st == nil {
-		st = &state{}
-		sh.m[g.rid] = st
+		st = sh.stateLocked(g.rid)
 	}
 	st.active++
 	sh.mu.Unlock()
@@ -282,11 +291,7 @@ func (t *Table) Abort(rid uint64, acked bool) (uint32, <-chan struct{}, error) {
 	now := time.Now()
 	sh := t.shard(rid)
 	sh.mu.Lock()
-	st := sh.m[rid]
-	if st == nil {
-		st = &state{}
-		sh.m[rid] = st
-	}
+	st := sh.stateLocked(rid)
 	if st.gen == math.MaxUint32 {
 		sh.mu.Unlock()
 		return 0, nil, fmt.Errorf("abort request %d: %w: generations exhausted", rid, ErrFull)
@@ -370,11 +375,7 @@ func (t *Table) Grant(initiator string, rid uint64, ranges []Range) (Grant, erro
 	// (lock order: grantMu, then the shard's).
 	sh := t.shard(rid)
 	sh.mu.Lock()
-	st := sh.m[rid]
-	if st == nil {
-		st = &state{}
-		sh.m[rid] = st
-	}
+	st := sh.stateLocked(rid)
 	st.restricted = true
 	g.Generation = st.gen
 	st.grants = append(st.grants, g)
