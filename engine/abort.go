@@ -130,6 +130,10 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 			if c, ok := t.(transport.OwnerCopier); ok && c.OwnerCopies() {
 				continue
 			}
+			if fe, ok := t.(interface{ FenceEnabled() bool }); ok && !fe.FenceEnabled() {
+				needAcks = true
+				continue
+			}
 			if f, ok := t.(transport.Fencer); ok && named > 0 {
 				fences = append(fences, f)
 				continue
@@ -163,6 +167,13 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		case <-inProgress:
 		case <-ctx.Done():
 			reason = fmt.Errorf("copies of request %d still in progress at the deadline: %w", requestID, ErrTimeout)
+		}
+	}
+	if len(fences) > 0 {
+		// Before the fence: from now on the initiators may not connect
+		// new QPs until they acknowledged this abort.
+		for _, name := range names {
+			e.noteFence(name, abortKey{requestID, gen})
 		}
 	}
 	for _, f := range fences {
@@ -211,7 +222,12 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 const maxSegmentName = 255
 
 // servers returns the transports that serve accesses to our memory.
-func (e *Engine) servers() []transport.Transport { return []transport.Transport{e.tcp, e.local} }
+func (e *Engine) servers() []transport.Transport {
+	if e.rdma != nil {
+		return []transport.Transport{e.tcp, e.local, e.rdma}
+	}
+	return []transport.Transport{e.tcp, e.local}
+}
 
 // ownerCopiesAll reports whether every transport serving peers copies bytes
 // in the owner's own code, so that refusal fences them.
@@ -276,6 +292,10 @@ func (e *Engine) handleAbortAck(from string, body []byte) (control.MsgType, []by
 		e.controlMalformed("ABORT_ACK", from, err)
 		return 0, nil
 	}
+	// Any ACK, late or not, settles the initiator's debt to the rdma
+	// fence: it holds the tombstone now, so its new QPs carry nothing of
+	// the request.
+	e.ackedFence(from, abortKey{m.RequestID, m.Generation})
 	e.pendMu.Lock()
 	pa := e.pending[abortKey{m.RequestID, m.Generation}]
 	e.pendMu.Unlock()

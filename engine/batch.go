@@ -306,6 +306,7 @@ func (b *Batch) plan(ctx context.Context, reqs []Request) ([]*task, *slab, error
 		n := int((r.Length + slice - 1) / slice)
 		t.slices, slab = slab[:n:n], slab[n:]
 		t.remaining.Store(int32(n))
+		recheck := t.recheck
 		for j := range t.slices {
 			off := uint64(j) * slice
 			ln := min(slice, r.Length-off)
@@ -314,7 +315,7 @@ func (b *Batch) plan(ctx context.Context, reqs []Request) ([]*task, *slab, error
 			s.Op, s.Key, s.Remote, s.RequestID = r.Op, key, r.Remote+off, r.RequestID
 			s.Generation, s.GrantID = r.Generation, r.GrantID
 			s.Local, s.LocalReg = lreg.Bytes(r.Local+off, ln), lreg
-			s.Done, s.Tag = sliceDone, s
+			s.Done, s.Tag, s.Recheck = sliceDone, s, recheck
 		}
 	}
 	sl.local = local

@@ -30,6 +30,7 @@ import (
 	"github.com/kvferry/kvferry/engine/requests"
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/engine/transport/local"
+	"github.com/kvferry/kvferry/engine/transport/rdma"
 	"github.com/kvferry/kvferry/engine/transport/tcp"
 )
 
@@ -53,6 +54,7 @@ type Engine struct {
 	plane *control.Plane
 	tcp   *tcp.Transport
 	local *local.Transport
+	rdma  *rdma.Transport    // nil without RDMA devices or with Protocol "tcp"
 	desc  control.Descriptor // transports part; buffers are filled per request
 	epoch atomic.Uint64
 
@@ -87,6 +89,16 @@ type Engine struct {
 	abortMu   sync.RWMutex
 	tombs     map[tombKey]*tombstone
 	tombQueue []tombKey
+
+	// Owner side of the rdma fence: aborts per initiator whose QPs were
+	// fenced and that initiator has not acknowledged; it may not connect
+	// new QPs meanwhile (see rdma.Options.AdmitInitiator).
+	fenceMu sync.Mutex
+	fenced  map[string]map[abortKey]struct{}
+	nfenced int
+
+	protoMu   sync.Mutex
+	protoSaid map[string]string // peer -> transport chosen, logged once
 
 	evMu     sync.Mutex
 	events   chan Event
@@ -124,6 +136,7 @@ func New(opts Options) (*Engine, error) {
 		reqs:    requests.New(requests.Options{MaxTombstones: opts.MaxTombstones, TombstoneTTL: opts.TombstoneTTL}),
 		pending: map[abortKey]*pendingAbort{}, tombs: map[tombKey]*tombstone{},
 		events: make(chan Event, opts.EventQueue), efd: -1,
+		fenced: map[string]map[abortKey]struct{}{}, protoSaid: map[string]string{},
 	}
 	e.closeCtx, e.cancel = context.WithCancel(context.Background())
 	plane, err := control.Listen(host, opts.Port, e.log)
@@ -146,6 +159,12 @@ func New(opts Options) (*Engine, error) {
 		Name: plane.Name(), Version: control.ProtocolVersion,
 		Transports: []control.TransportAddr{{Name: "tcp", Addr: tcpAddr}},
 	}
+	if err := e.startRDMA(); err != nil {
+		e.cancel()
+		_ = e.tcp.Close()
+		_ = plane.Close()
+		return nil, fmt.Errorf("kvferry: %w", err)
+	}
 	e.resolver = opts.Resolver
 	if e.resolver == nil {
 		e.resolver = p2pResolver{e.plane}
@@ -156,6 +175,7 @@ func New(opts Options) (*Engine, error) {
 	plane.Handle(control.MsgAbortAck, e.handleAbortAck)
 	plane.Handle(control.MsgNotify, e.handleNotify)
 	plane.Handle(control.MsgCanceled, e.handleCanceled)
+	plane.Handle(control.MsgTransport, e.handleTransport)
 	plane.Start()
 	e.bg.Add(1)
 	go e.heartbeats()
@@ -220,7 +240,11 @@ func (e *Engine) Close() error {
 	}
 	e.retrying.Wait()
 	var errs []error
-	errs = append(errs, e.local.Close(), e.tcp.Close(), e.plane.Close())
+	errs = append(errs, e.local.Close(), e.tcp.Close())
+	if e.rdma != nil {
+		errs = append(errs, e.rdma.Close())
+	}
+	errs = append(errs, e.plane.Close())
 	close(e.closed)
 	e.bg.Wait()
 	e.closeEvents()
@@ -271,6 +295,13 @@ type Stats struct {
 	// Events.
 	EventsDropped uint64 // events dropped because the queue was full
 	Notifications uint64 // notifications received and queued
+	// RDMA (zero without the rdma transport).
+	RDMANICs          int    // NIC ports in use
+	RDMAWorkRequests  uint64 // work requests posted
+	RDMAErrorWCs      uint64 // completions with an error status
+	RDMAFailovers     uint64 // NIC paths that failed under work and were reconnected
+	RDMAFences        uint64 // owner-side fences of an initiator's QPs
+	RDMAFencesPending int    // aborts whose fenced initiator has not acknowledged yet
 }
 
 // Stats returns a snapshot of the counters.
@@ -284,7 +315,17 @@ func (e *Engine) Stats() Stats {
 	e.abortMu.RLock()
 	ntomb := len(e.tombs)
 	e.abortMu.RUnlock()
+	var rs2 rdma.Stats
+	nics := 0
+	if e.rdma != nil {
+		rs2, nics = e.rdma.Stats(), len(e.rdma.NICs())
+	}
+	e.fenceMu.Lock()
+	nfenced := e.nfenced
+	e.fenceMu.Unlock()
 	return Stats{
+		RDMANICs: nics, RDMAWorkRequests: rs2.Posted, RDMAErrorWCs: rs2.ErrorCompletions,
+		RDMAFailovers: rs2.Failovers, RDMAFences: rs2.Fences, RDMAFencesPending: nfenced,
 		AbortsSafe: e.stats.abortsSafe.Load(), AbortsNotSafe: e.stats.abortsNotSafe.Load(),
 		AbortAcks: e.stats.abortAcks.Load(), AcksUnmatched: e.stats.acksUnmatched.Load(),
 		AbortResends: e.stats.abortResends.Load(), Tombstones: rs.Tombstones, Grants: rs.Grants,

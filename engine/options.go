@@ -17,7 +17,10 @@ import (
 //	field              variable                     default
 //	Host               KVFERRY_HOST                 127.0.0.1
 //	Port               KVFERRY_PORT                 0 (the kernel picks)
-//	Protocol           KVFERRY_PROTOCOL             tcp
+//	Protocol           KVFERRY_PROTOCOL             auto (rdma when both ends have it, else tcp)
+//	RDMALibrary        KVFERRY_IBVERBS_LIBRARY      libibverbs.so.1
+//	RDMADevices        KVFERRY_RDMA_DEVICES         "" (every active port)
+//	RDMANoFence        KVFERRY_RDMA_FENCE=0         false (the owner-side QP fence is on)
 //	SliceSize          KVFERRY_SLICE_SIZE           1 MiB
 //	PathsPerPeer       KVFERRY_PATHS_PER_PEER       4
 //	MaxRetries         KVFERRY_MAX_RETRIES          2
@@ -38,9 +41,23 @@ type Options struct {
 	// Port is the control plane's port; 0 picks a free one, reported by
 	// Engine.Name.
 	Port int
-	// Protocol is the data-plane transport for remote segments: "tcp".
-	// ("rdma" arrives with the RDMA transport.)
+	// Protocol is the data-plane transport for remote segments: "auto"
+	// uses rdma with peers that offer it when this engine has an RDMA
+	// device, tcp otherwise (the choice is logged once per peer); "tcp"
+	// never opens RDMA devices; "rdma" makes New fail without one and
+	// refuses peers that lack it.
 	Protocol string
+	// RDMALibrary is the libibverbs file loaded at run time.
+	RDMALibrary string
+	// RDMADevices keeps some RDMA devices or ports: "mlx5_0,mlx5_1:1"
+	// (prefixes), "=mlx5_0" (exact names), "^mlx5_2" (all but), as
+	// NCCL_IB_HCA reads.
+	RDMADevices string
+	// RDMANoFence turns the owner-side fence off: an abort of a request
+	// written over rdma is then Safe only once every named initiator sent
+	// a drained ABORT_ACK. With the fence (the default) the owner moves
+	// the initiators' QPs to the error state and needs no ACK.
+	RDMANoFence bool
 	// SliceSize is the largest piece a request is cut into; slices of
 	// one request travel on several paths at once.
 	SliceSize int
@@ -147,6 +164,15 @@ func (o *Options) applyEnv() error {
 	}
 	str("KVFERRY_HOST", &o.Host)
 	str("KVFERRY_PROTOCOL", &o.Protocol)
+	str("KVFERRY_IBVERBS_LIBRARY", &o.RDMALibrary)
+	str("KVFERRY_RDMA_DEVICES", &o.RDMADevices)
+	if v, ok := os.LookupEnv("KVFERRY_RDMA_FENCE"); ok && v != "" {
+		on, err := strconv.ParseBool(v)
+		if err != nil {
+			return fmt.Errorf("KVFERRY_RDMA_FENCE=%q: want 1 or 0", v)
+		}
+		o.RDMANoFence = !on
+	}
 	for _, f := range []struct {
 		name string
 		dst  *int
@@ -185,10 +211,10 @@ func (o *Options) fill() error {
 		o.Host = "127.0.0.1"
 	}
 	if o.Protocol == "" {
-		o.Protocol = "tcp"
+		o.Protocol = "auto"
 	}
-	if o.Protocol != "tcp" {
-		return fmt.Errorf("protocol %q: %w (this build has tcp)", o.Protocol, ErrUnsupported)
+	if o.Protocol != "tcp" && o.Protocol != "rdma" && o.Protocol != "auto" {
+		return fmt.Errorf("protocol %q: %w (want auto, tcp or rdma)", o.Protocol, ErrUnsupported)
 	}
 	if o.Port < 0 || o.Port > 65535 {
 		return fmt.Errorf("port %d out of range", o.Port)

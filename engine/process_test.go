@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
 // The test binary runs itself as a target process when helperEnv is set.
@@ -31,7 +32,10 @@ func TestMain(m *testing.M) {
 	if mode := os.Getenv(helperEnv); mode != "" {
 		os.Exit(runHelper(mode))
 	}
-	os.Exit(m.Run())
+	cleanup := fakeverbs.UseFabric()
+	code := m.Run()
+	cleanup()
+	os.Exit(code)
 }
 
 // runHelper is the target process: an engine with one buffer. It prints

@@ -77,6 +77,7 @@ type Segment struct {
 	paths   []*pathRef      // PathsPerPeer entries, nil until dialed
 	dialing []chan struct{} // per slot: closed when the dial under way ends
 	addr    string          // data-plane address
+	proto   string          // "tcp" or "rdma", chosen at each descriptor fetch
 	closed  error           // set by shutdown
 	next    atomic.Uint32
 
@@ -184,11 +185,18 @@ func (s *Segment) refresh(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrSegmentUnknown, err)
 	}
-	addr, ok := d.Transport(s.e.opts.Protocol)
+	proto, err := s.e.chooseTransport(s.name, d)
+	if err != nil {
+		return err
+	}
+	// The tcp address names the peer's incarnation for both transports:
+	// it changes when the peer restarts under the same name.
+	addr, ok := d.Transport("tcp")
 	if !ok {
-		return fmt.Errorf("%w: segment offers no %s transport", ErrUnsupported, s.e.opts.Protocol)
+		return fmt.Errorf("%w: segment offers no tcp transport", ErrUnsupported)
 	}
 	s.mu.Lock()
+	s.proto = proto
 	if s.addr != "" && s.addr != addr {
 		// The peer restarted under the same name: old paths lead nowhere.
 		for i, p := range s.paths {
@@ -293,9 +301,15 @@ func (s *Segment) path(ctx context.Context, hint uint32) (*pathRef, error) {
 func (s *Segment) dial(ctx context.Context, addr string) (*pathRef, error) {
 	var p transport.Endpoint
 	var err error
-	if s.self {
+	s.mu.Lock()
+	proto := s.proto
+	s.mu.Unlock()
+	switch {
+	case s.self:
 		p, err = s.e.local.Dial(ctx, "", s.e.Name())
-	} else {
+	case proto == "rdma":
+		p, err = s.e.rdma.Dial(ctx, s.name, s.e.Name())
+	default:
 		p, err = s.e.tcp.Dial(ctx, addr, s.e.Name())
 	}
 	if err != nil {

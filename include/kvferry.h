@@ -158,7 +158,14 @@ typedef struct kvf_engine_options {
     uint32_t flags;             /* KVF_ENGINE_* flags */
     const char *host;           /* listen address and host part of the segment
                                    name; NULL: "127.0.0.1". IPv6 bare: "::1" */
-    const char *protocol;       /* data-plane transport; NULL: "tcp" */
+    const char *protocol;       /* data-plane transport to remote segments:
+                                   "auto" (rdma when both ends have an RDMA
+                                   device, else tcp; logged once per peer),
+                                   "tcp" or "rdma" (creation fails with
+                                   KVF_ERR_UNSUPPORTED without a device);
+                                   NULL: "auto". RDMA's library, devices and
+                                   fence are set by KVFERRY_IBVERBS_LIBRARY,
+                                   KVFERRY_RDMA_DEVICES, KVFERRY_RDMA_FENCE */
     int32_t port;               /* control port; 0: a free one (see kvf_engine_name) */
     int32_t paths_per_peer;     /* connections per peer, 1..64; 0: 4 */
     uint64_t slice_size;        /* largest piece of a request, 4 KiB..64 MiB;

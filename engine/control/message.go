@@ -59,7 +59,9 @@ const (
 	MsgNotify        MsgType = 8 // -> NotifyAck; body: a Notification
 	MsgNotifyAck     MsgType = 9
 	MsgCanceled      MsgType = 10 // one-way, initiator -> owner: an AbortMsg body; it gave up on the request
-	maxMsgType               = MsgCanceled
+	MsgTransport     MsgType = 11 // -> TransportReply; a data-plane transport's own handshake (rdma: QPs, keys)
+	MsgTransportRep  MsgType = 12
+	maxMsgType               = MsgTransportRep
 )
 
 func (t MsgType) String() string {
@@ -84,13 +86,17 @@ func (t MsgType) String() string {
 		return "NOTIFY_ACK"
 	case MsgCanceled:
 		return "CANCELED"
+	case MsgTransport:
+		return "TRANSPORT"
+	case MsgTransportRep:
+		return "TRANSPORT_REPLY"
 	}
 	return fmt.Sprintf("MsgType(%d)", uint8(t))
 }
 
 // IsReply reports whether t answers a request.
 func (t MsgType) IsReply() bool {
-	return t == MsgDescriptor || t == MsgPong || t == MsgError || t == MsgNotifyAck
+	return t == MsgDescriptor || t == MsgPong || t == MsgError || t == MsgNotifyAck || t == MsgTransportRep
 }
 
 // IsOneWay reports whether t expects no reply.

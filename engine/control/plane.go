@@ -61,10 +61,11 @@ type waiter struct {
 // Plane is one engine's control plane. Request and Close are safe for
 // concurrent use; everything touching a socket runs on one goroutine.
 type Plane struct {
-	name   string
-	log    *slog.Logger
-	zctx   *zmq.Context
-	router *zmq.Socket
+	started atomic.Bool // the loop was started (Close starts it to close the sockets)
+	name    string
+	log     *slog.Logger
+	zctx    *zmq.Context
+	router  *zmq.Socket
 
 	handlers map[MsgType]Handler // fixed before Start
 
@@ -173,7 +174,11 @@ func (p *Plane) Name() string { return p.name }
 func (p *Plane) Handle(t MsgType, h Handler) { p.handlers[t] = h }
 
 // Start runs the loop goroutine.
-func (p *Plane) Start() { go p.loop() }
+func (p *Plane) Start() {
+	if p.started.CompareAndSwap(false, true) {
+		go p.loop()
+	}
+}
 
 // Request sends a request to peer ("host:port") and waits for its reply
 // until ctx ends.
@@ -267,6 +272,9 @@ func (p *Plane) Close() error {
 		<-p.done
 		return nil
 	}
+	// A plane closed before Start (New failing half-way) still has its
+	// loop close the sockets it owns.
+	p.Start()
 	p.wake()
 	<-p.done
 	p.wakeMu.Lock()

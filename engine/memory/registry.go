@@ -128,6 +128,64 @@ type Registry struct {
 	byKey  map[Key]*Region
 	tag    uint64
 	next   atomic.Uint32
+
+	watchMu  sync.RWMutex
+	watchers []Watcher
+}
+
+// Watcher is told of registrations: transports whose hardware reaches
+// memory without the owner's code (RDMA) must register it with the device
+// too, and deregister it before Unregister returns.
+type Watcher interface {
+	// Registered is called once regions are in the registry; an error
+	// undoes the whole registration.
+	Registered(regs []*Region) error
+	// Unregistered is called once regions left the registry and copies
+	// into them stopped; it must return only when the hardware no
+	// longer reaches them.
+	Unregistered(regs []*Region)
+}
+
+// Watch adds a watcher; registrations made before it are not replayed.
+func (g *Registry) Watch(w Watcher) {
+	g.watchMu.Lock()
+	g.watchers = append(g.watchers, w)
+	g.watchMu.Unlock()
+}
+
+func (g *Registry) watching() []Watcher {
+	g.watchMu.RLock()
+	defer g.watchMu.RUnlock()
+	return g.watchers
+}
+
+// notifyRegistered tells the watchers of regs, undoing the registration
+// when one refuses.
+func (g *Registry) notifyRegistered(regs []*Region) error {
+	ws := g.watching()
+	for i, w := range ws {
+		if err := w.Registered(regs); err != nil {
+			for _, done := range ws[:i] {
+				done.Unregistered(regs)
+			}
+			addrs := make([]uint64, len(regs))
+			for k, r := range regs {
+				addrs[k] = r.Addr
+			}
+			g.remove(addrs)
+			return err
+		}
+	}
+	return nil
+}
+
+func (g *Registry) notifyUnregistered(regs []*Region) {
+	if len(regs) == 0 {
+		return
+	}
+	for _, w := range g.watching() {
+		w.Unregistered(regs)
+	}
 }
 
 // NewRegistry returns an empty registry.
@@ -175,12 +233,13 @@ func (g *Registry) Register(ranges []Range) ([]*Region, error) {
 		}
 	}
 	g.mu.Lock()
-	defer g.mu.Unlock()
 	if len(g.byAddr)+len(regs) > MaxRegions {
+		g.mu.Unlock()
 		return nil, fmt.Errorf("%w: %d registered, %d more asked, at most %d", ErrTooMany, len(g.byAddr), len(regs), MaxRegions)
 	}
 	for _, r := range sorted {
 		if o := g.overlapLocked(r.Addr, r.Len); o != nil {
+			g.mu.Unlock()
 			return nil, fmt.Errorf("%w: [%#x, %#x) overlaps registered [%#x, %#x)", ErrOverlap,
 				r.Addr, r.End(), o.Addr, o.End())
 		}
@@ -201,6 +260,10 @@ func (g *Registry) Register(ranges []Range) ([]*Region, error) {
 		}
 	}
 	g.byAddr = merged
+	g.mu.Unlock()
+	if err := g.notifyRegistered(regs); err != nil {
+		return nil, err
+	}
 	return regs, nil
 }
 
@@ -217,6 +280,17 @@ func (g *Registry) overlapLocked(addr, n uint64) *Region {
 // none. It returns after every copy in progress into or out of them ended;
 // no copy starts afterwards.
 func (g *Registry) Unregister(addrs []uint64) ([]*Region, error) {
+	regs, err := g.remove(addrs)
+	if err != nil {
+		return nil, err
+	}
+	g.notifyUnregistered(regs)
+	return regs, nil
+}
+
+// remove takes regions out and waits for their copies, without telling
+// the watchers.
+func (g *Registry) remove(addrs []uint64) ([]*Region, error) {
 	g.mu.Lock()
 	regs := make([]*Region, len(addrs))
 	seen := make(map[uint64]bool, len(addrs))
@@ -273,6 +347,7 @@ func (g *Registry) UnregisterOverlapping(addr, n uint64) []*Region {
 		r.retire()
 		r.keep = nil
 	}
+	g.notifyUnregistered(regs)
 	return regs
 }
 

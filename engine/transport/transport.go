@@ -128,6 +128,12 @@ type Slice struct {
 	Done func(s *Slice, err error)
 	// Tag is the engine's, untouched by transports.
 	Tag any
+	// Recheck, when set, is called before a transport posts the slice
+	// again on its own (an RDMA endpoint moving it to another NIC path
+	// after an error completion): a non-nil error ends the slice with it
+	// instead, so a retry never routes around an abort (SAFETY.md
+	// promise 6).
+	Recheck func(s *Slice) error
 
 	state atomic.Int32
 }

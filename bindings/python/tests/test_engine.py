@@ -881,3 +881,21 @@ def test_blocking_calls_release_the_gil() -> None:
         t.join()
         assert still_blocked, "poll_events returned early"
         assert n > 1000, f"the main thread ran only {n} iterations while another was blocked in the library"
+
+
+def test_rdma_without_libibverbs_is_a_clean_error() -> None:
+    # The environment is read when the library loads: a child process with
+    # KVFERRY_IBVERBS_LIBRARY pointing nowhere asks for rdma.
+    code = (
+        "import kvferry\n"
+        "try:\n"
+        "    kvferry.Engine(protocol='rdma')\n"
+        "except kvferry.UnsupportedError as err:\n"
+        "    print('unsupported:', err)\n"
+        "with kvferry.Engine() as e:\n"  # auto: tcp without rdma
+        "    print('auto ok', e.name)\n")
+    env = dict(os.environ, KVFERRY_IBVERBS_LIBRARY="/nonexistent/libibverbs.so.1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "unsupported:" in out.stdout and "rdma not available" in out.stdout, out.stdout
+    assert "auto ok" in out.stdout, out.stdout

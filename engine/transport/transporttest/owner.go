@@ -23,6 +23,14 @@ type Owner struct {
 	// refused at admission.
 	Admits, Waiting, Enters, Refused atomic.Int64
 
+	// Initiator is the registry of the initiator's memory, for transports
+	// that must register it with hardware too (they Watch it).
+	Initiator *memory.Registry
+	// Progress, when set, counts the work a transport whose owner-side
+	// code is not on the data path (rdma: work requests completed) has
+	// done; the suite uses it where it would count Enters or Admits.
+	Progress func() int64
+
 	mu      sync.Mutex
 	gate    chan struct{}
 	onEnter atomic.Pointer[func()]
@@ -109,3 +117,10 @@ func (t *target) Enter() error {
 }
 
 func (t *target) Leave() { t.r.Leave() }
+
+func (o *Owner) progress() int64 {
+	if o.Progress == nil {
+		return 0
+	}
+	return o.Progress()
+}

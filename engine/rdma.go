@@ -1,0 +1,194 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/transport"
+	"github.com/kvferry/kvferry/engine/transport/rdma"
+)
+
+// startRDMA opens the RDMA transport unless the protocol is tcp. With
+// "auto" an engine without RDMA goes on with tcp; with "rdma" it fails.
+func (e *Engine) startRDMA() error {
+	if e.opts.Protocol == "tcp" {
+		return nil
+	}
+	t, err := rdma.New(rdma.Options{
+		Library: e.opts.RDMALibrary, Devices: e.opts.RDMADevices, Exchange: e.exchange,
+		AdmitInitiator: e.admitInitiator, Fence: !e.opts.RDMANoFence, Logger: e.log,
+	})
+	if err != nil {
+		if e.opts.Protocol == "rdma" {
+			return fmt.Errorf("protocol rdma: %w: %w", ErrUnsupported, err)
+		}
+		e.log.Debug("kvferry: rdma not used; tcp only", "err", err)
+		return nil
+	}
+	if _, err := t.Listen(e); err != nil {
+		_ = t.Close()
+		return err
+	}
+	e.rdma = t
+	e.reg.Watch(t)
+	e.desc.Transports = append(e.desc.Transports, control.TransportAddr{Name: "rdma", Addr: "cp"})
+	e.log.Info("kvferry: rdma transport up", "nics", t.NICNames())
+	return nil
+}
+
+// exchange carries an rdma handshake request to peer's transport.
+func (e *Engine) exchange(ctx context.Context, peer string, body []byte) ([]byte, error) {
+	typ, rep, err := e.plane.Request(ctx, peer, control.MsgTransport, body)
+	if err != nil {
+		return nil, err
+	}
+	switch typ {
+	case control.MsgTransportRep:
+		return rep, nil
+	case control.MsgError:
+		return nil, fmt.Errorf("%w: %s", control.ErrRemote, truncate(string(rep), 256))
+	}
+	return nil, fmt.Errorf("%w: %v answers a transport request", control.ErrMalformed, typ)
+}
+
+func truncate(s string, n int) string {
+	if len(s) > n {
+		return s[:n]
+	}
+	return s
+}
+
+// handleTransport serves a peer's rdma handshake request (on the plane's
+// loop: the work is a few verbs calls).
+func (e *Engine) handleTransport(from string, body []byte) (control.MsgType, []byte) {
+	if e.rdma == nil {
+		return control.MsgError, []byte("no rdma transport here")
+	}
+	rep, err := e.rdma.Serve(from, body)
+	if err != nil {
+		if errors.Is(err, rdma.ErrFencePending) {
+			e.log.Debug("kvferry: rdma connect refused until the abort is acknowledged", "peer", from)
+		} else {
+			e.controlMalformed("TRANSPORT", from, err)
+		}
+		return control.MsgError, []byte(err.Error())
+	}
+	return control.MsgTransportRep, rep
+}
+
+// chooseTransport picks the transport to a peer from its descriptor, and
+// logs the choice once per peer.
+func (e *Engine) chooseTransport(peer string, d *control.Descriptor) (string, error) {
+	_, peerRDMA := d.Transport("rdma")
+	proto := "tcp"
+	why := "forced by the protocol option"
+	switch e.opts.Protocol {
+	case "rdma":
+		if !peerRDMA {
+			return "", fmt.Errorf("%w: segment %s offers no rdma transport (protocol rdma is forced)", ErrUnsupported, peer)
+		}
+		proto = "rdma"
+	case "auto":
+		switch {
+		case e.rdma != nil && peerRDMA:
+			proto, why = "rdma", "both ends have rdma"
+		case e.rdma == nil:
+			why = "no rdma device here"
+		default:
+			why = "the peer has no rdma"
+		}
+	}
+	e.protoMu.Lock()
+	said := e.protoSaid[peer]
+	if said != proto && len(e.protoSaid) < 1<<16 {
+		e.protoSaid[peer] = proto
+	}
+	e.protoMu.Unlock()
+	if said != proto {
+		e.log.Info("kvferry: transport chosen", "peer", peer, "transport", proto, "why", why)
+	}
+	return proto, nil
+}
+
+// admitInitiator refuses an initiator's new QPs while it owes the ACK of
+// an abort whose fence cut its old ones, and sends those ABORTs again: an
+// ACK lost after the abort's deadline must not lock it out for good.
+func (e *Engine) admitInitiator(initiator string) error {
+	e.fenceMu.Lock()
+	pend := make([]abortKey, 0, len(e.fenced[initiator]))
+	for k := range e.fenced[initiator] {
+		pend = append(pend, k)
+	}
+	e.fenceMu.Unlock()
+	if len(pend) == 0 {
+		return nil
+	}
+	for _, k := range pend {
+		_ = e.plane.Send(initiator, control.MsgAbort, control.AbortMsg{RequestID: k.rid, Generation: k.gen}.Encode())
+	}
+	return fmt.Errorf("%w: %d aborts of %s unacknowledged", rdma.ErrFencePending, len(pend), initiator)
+}
+
+// noteFence records, before the fence, that initiator owes an ACK for k.
+func (e *Engine) noteFence(initiator string, k abortKey) {
+	e.fenceMu.Lock()
+	defer e.fenceMu.Unlock()
+	m := e.fenced[initiator]
+	if m == nil {
+		m = map[abortKey]struct{}{}
+		e.fenced[initiator] = m
+	}
+	if _, ok := m[k]; !ok {
+		m[k] = struct{}{}
+		e.nfenced++
+	}
+	if e.nfenced > e.opts.MaxTombstones {
+		// Bounded like tombstones: an initiator that never answers loses
+		// its oldest debts first; forgetting one can only let it connect
+		// (its tombstone keeps its own submits from writing).
+		for name, mm := range e.fenced {
+			if name == initiator {
+				continue
+			}
+			e.nfenced -= len(mm)
+			delete(e.fenced, name)
+			e.log.Warn("kvferry: forgot unacknowledged rdma fences", "initiator", name, "count", len(mm))
+			if e.nfenced <= e.opts.MaxTombstones {
+				break
+			}
+		}
+	}
+}
+
+// ackedFence clears initiator's debt for k.
+func (e *Engine) ackedFence(initiator string, k abortKey) {
+	e.fenceMu.Lock()
+	if m := e.fenced[initiator]; m != nil {
+		if _, ok := m[k]; ok {
+			delete(m, k)
+			e.nfenced--
+		}
+		if len(m) == 0 {
+			delete(e.fenced, initiator)
+		}
+	}
+	e.fenceMu.Unlock()
+}
+
+// recheck is every slice's Recheck: a transport posting a slice again on
+// its own first asks whether its task was aborted or canceled meanwhile.
+func (t *task) recheck(*transport.Slice) error {
+	if f := TaskStatus(t.final.Load()); f != 0 {
+		return fmt.Errorf("%w: task ended %s", transport.ErrCanceled, f)
+	}
+	e := t.b.e
+	e.abortMu.RLock()
+	aborted := e.abortedLocked(t.req.Segment.name, t.req.RequestID, t.req.Generation)
+	e.abortMu.RUnlock()
+	if aborted {
+		return fmt.Errorf("%w: %w: request %d", transport.ErrRefused, transport.ErrAborted, t.req.RequestID)
+	}
+	return nil
+}

@@ -1,0 +1,187 @@
+package engine_test
+
+// The engine over rdma, on the fake libibverbs (tests/fakeverbs): transfers,
+// transport selection, clean errors without RDMA, failover between NIC
+// paths, and SAFETY.md's fake-rdma rows in one process (tests/pd runs them
+// across two processes, with the initiator stopped).
+
+import (
+	"bytes"
+	"errors"
+
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/fakeverbs"
+	"github.com/kvferry/kvferry/verbs"
+)
+
+func rdmaOpts(t *testing.T, o engine.Options) engine.Options {
+	t.Helper()
+	o.Protocol = "rdma"
+	o.RDMALibrary = fakeverbs.Path(t)
+	return o
+}
+
+// fakeControl sends a fault command to the fake provider of this process.
+func fakeControl(t *testing.T, cmd string) {
+	t.Helper()
+	lib, err := verbs.Open(fakeverbs.Path(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := lib.Control(cmd); err != nil {
+		t.Fatalf("fakeverbs_control(%q): %v", cmd, err)
+	}
+	t.Cleanup(func() { _ = lib.Control("reset") })
+}
+
+func TestRDMAOverFakeMovesDataBothWays(t *testing.T) {
+	owner := newEngineWith(t, rdmaOpts(t, engine.Options{}))
+	init := newEngineWith(t, rdmaOpts(t, engine.Options{}))
+	const size = 24 << 20
+	dst, src, back := alloc(t, owner, size), alloc(t, init, size), alloc(t, init, size)
+	fillPattern(src, 1)
+	seg := openSegment(t, init, owner.Name())
+	transfer(t, init, 30*time.Second, write(src, seg, engine.AddrOf(dst), size))
+	requireEqual(t, "owner memory after rdma WRITE", dst, src)
+	transfer(t, init, 30*time.Second, read(back, seg, engine.AddrOf(dst), size))
+	requireEqual(t, "initiator memory after rdma READ", back, src)
+	st := init.Stats()
+	if st.RDMANICs == 0 || st.RDMAWorkRequests == 0 {
+		t.Fatalf("stats %+v: the transfer did not go over rdma", st)
+	}
+	if o := owner.Stats(); o.OwnerBytesIn != 0 {
+		t.Errorf("owner counted %d bytes in: its code copied, so tcp carried the data", o.OwnerBytesIn)
+	}
+	t.Logf("%d work requests on %d NICs", st.RDMAWorkRequests, st.RDMANICs)
+}
+
+func TestRDMAAutoFallsBackToTCPWithAPeerWithoutRDMA(t *testing.T) {
+	owner := newEngineWith(t, engine.Options{Protocol: "tcp"})
+	init := newEngineWith(t, engine.Options{Protocol: "auto", RDMALibrary: fakeverbs.Path(t)})
+	dst, src := alloc(t, owner, 1<<20), alloc(t, init, 1<<20)
+	fillPattern(src, 2)
+	seg := openSegment(t, init, owner.Name())
+	transfer(t, init, 30*time.Second, write(src, seg, engine.AddrOf(dst), len(src)))
+	requireEqual(t, "owner memory after tcp fallback", dst, src)
+	if st := init.Stats(); st.RDMANICs == 0 || st.RDMAWorkRequests != 0 {
+		t.Fatalf("stats %+v: want rdma up here but tcp used for the peer", st)
+	}
+	forced := newEngineWith(t, rdmaOpts(t, engine.Options{}))
+	if _, err := forced.OpenSegment(testCtx(t, 10*time.Second), owner.Name()); !errors.Is(err, engine.ErrUnsupported) || !strings.Contains(err.Error(), "no rdma") {
+		t.Fatalf("forced rdma to a tcp-only peer: %v, want ErrUnsupported saying it offers no rdma", err)
+	}
+}
+
+func TestRDMAMissingLibraryIsACleanError(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "libibverbs.so.1")
+	_, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "rdma", RDMALibrary: missing})
+	if !errors.Is(err, verbs.ErrNotAvailable) || !strings.Contains(err.Error(), "rdma not available") {
+		t.Fatalf("New with %s: %v, want an error saying rdma is not available", missing, err)
+	}
+	// "auto" goes on with tcp.
+	e := newEngineWith(t, engine.Options{Protocol: "auto", RDMALibrary: missing})
+	if e.Stats().RDMANICs != 0 {
+		t.Fatal("rdma up without a library")
+	}
+}
+
+func TestRDMANoDeviceListsWhatWasSearched(t *testing.T) {
+	// The fake's devices all filtered out.
+	_, err := engine.New(rdmaOpts(t, engine.Options{IgnoreEnv: true, RDMADevices: "=mlx5_9"}))
+	if !errors.Is(err, verbs.ErrNoDevice) || !strings.Contains(err.Error(), "fake0:1 (filtered out)") || !strings.Contains(err.Error(), `filter "=mlx5_9"`) {
+		t.Fatalf("New with every device filtered out: %v, want ErrNoDevice listing fake0:1 and the filter", err)
+	}
+	// The system's libibverbs, where it is installed: on a machine without
+	// RDMA it lists no device at all.
+	_, err = engine.New(engine.Options{IgnoreEnv: true, Protocol: "rdma", RDMALibrary: verbs.DefaultLibrary})
+	switch {
+	case err == nil:
+		t.Skip("this machine has an RDMA device; the no-device error cannot be shown with the system library")
+	case errors.Is(err, verbs.ErrNotAvailable):
+		t.Logf("no system libibverbs: %v", err)
+	case !errors.Is(err, verbs.ErrNoDevice) || !strings.Contains(err.Error(), "lists no device") || !strings.Contains(err.Error(), "/sys/class/infiniband_verbs"):
+		t.Fatalf("system libibverbs without devices: %v, want ErrNoDevice saying what was searched", err)
+	default:
+		t.Logf("system libibverbs: %v", err)
+	}
+}
+
+// A NIC path whose work fails mid-transfer (the fake fails the 3rd work
+// request its fake0 sends, as a link going down would) is reset; the
+// slices on it move to another NIC pair and the transfer completes with
+// every byte right.
+func TestRDMAFailoverToAnotherNICPathCompletesTheTransfer(t *testing.T) {
+	owner := newEngineWith(t, rdmaOpts(t, engine.Options{}))
+	init := newEngineWith(t, rdmaOpts(t, engine.Options{PathsPerPeer: 1}))
+	const size = 32 << 20
+	dst, src := alloc(t, owner, size), alloc(t, init, size)
+	fillPattern(src, 3)
+	seg := openSegment(t, init, owner.Name())
+	fakeControl(t, "fail dev=fake0 after=3")
+	transfer(t, init, 60*time.Second, write(src, seg, engine.AddrOf(dst), size))
+	requireEqual(t, "owner memory after failover", dst, src)
+	st := init.Stats()
+	if st.RDMAFailovers == 0 || st.RDMAErrorWCs == 0 {
+		t.Fatalf("stats %+v: no NIC path failed, so no failover was shown", st)
+	}
+	t.Logf("%d error completions, %d failovers, %d engine retries", st.RDMAErrorWCs, st.RDMAFailovers, st.Retries)
+}
+
+// SAFETY.md's fake-rdma rows in one process: the owner aborts a large
+// WRITE that the fake places slowly (a delay between chunks), reuses the
+// range at once, and counts the aborted request's bytes in it afterwards.
+// ACK on "heard" (UnsafeAbort) must find them; the owner-side QP fence and,
+// separately, the drain-aware ACK must not.
+func TestRDMAAbortRowsOfSafetyMD(t *testing.T) {
+	const size = 8 << 20
+	rows := []struct {
+		name    string
+		opts    engine.Options
+		corrupt bool
+	}{
+		{"ACK on heard", engine.Options{Testing: engine.Testing{UnsafeAbort: true}}, true},
+		{"owner-side QP fence", engine.Options{}, false},
+		{"drain-aware ACK", engine.Options{RDMANoFence: true}, false},
+	}
+	for _, row := range rows {
+		t.Run(row.name, func(t *testing.T) {
+			const rid = 77
+			owner := newEngineWith(t, rdmaOpts(t, row.opts))
+			init := newEngineWith(t, rdmaOpts(t, row.opts))
+			dst, src := alloc(t, owner, size), alloc(t, init, size)
+			fillByte(src, oldByte)
+			seg := openSegment(t, init, owner.Name())
+			// 64 KiB chunks, 3 ms apart: the WRITE lands over ~400 ms.
+			fakeControl(t, "delay dev=fake0 us=3000;delay dev=fake1 us=3000")
+			b := submit(t, init, withRID(write(src, seg, engine.AddrOf(dst), size), rid, 0))
+			waitFor(t, 10*time.Second, "first bytes landed", func() bool { return bytes.IndexByte(dst, oldByte) >= 0 })
+			res, err := owner.Abort(testCtx(t, 20*time.Second), rid, []string{init.Name()})
+			if err != nil || !res.Safe {
+				t.Fatalf("abort = %+v, %v; want Safe", res, err)
+			}
+			fillByte(dst, reusedByte)
+			r := waitBatch(t, b, 60*time.Second)[0]
+			time.Sleep(100 * time.Millisecond) // anything still queued in the fake lands meanwhile
+			old := bytes.Count(dst, []byte{oldByte})
+			st := owner.Stats()
+			t.Logf("task %v after %d bytes; %d old bytes in the reused range; owner fences %d", r.Status, r.Transferred, old, st.RDMAFences)
+			if row.corrupt {
+				if old == 0 {
+					t.Fatal("ACK on heard left the reused range clean: the fenced rows prove nothing")
+				}
+				return
+			}
+			if old != 0 {
+				t.Fatalf("%d bytes of the aborted request landed after a Safe abort", old)
+			}
+			if row.opts.RDMANoFence == (st.RDMAFences > 0) {
+				t.Errorf("owner fences = %d with RDMANoFence=%v", st.RDMAFences, row.opts.RDMANoFence)
+			}
+		})
+	}
+}

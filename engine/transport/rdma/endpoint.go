@@ -1,0 +1,799 @@
+package rdma
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"github.com/kvferry/kvferry/engine/memory"
+	"github.com/kvferry/kvferry/engine/transport"
+	"github.com/kvferry/kvferry/verbs"
+	"github.com/kvferry/kvferry/verbs/topo"
+)
+
+// Limits of an endpoint.
+const (
+	maxPairsPerEndpoint = 16
+	maxMessage          = 1 << 30 // bytes per work request
+	maxReposts          = 3       // failovers of one slice inside the endpoint
+	noPathTimeout       = 5 * time.Second
+	abortFlushTimeout   = 5 * time.Second
+)
+
+// pair is one RC connection from a local NIC to an owner NIC.
+type pair struct {
+	slot      uint8
+	nic       *NIC
+	remote    int
+	qp        *verbs.QP
+	psn       uint32
+	healthy   bool
+	resetting bool
+	inflight  int // work requests posted and not yet completed
+}
+
+// wslice is a slice as the endpoint moves it: the work requests it became
+// and what they ended with.
+type wslice struct {
+	s         *transport.Slice
+	remaining int
+	final     error // a final error: refusal or local failure
+	repost    bool  // a path failed under it: post it again elsewhere
+	reposts   int
+}
+
+// reqTrack counts, per request id, the work requests on the wire, for Drain.
+type reqTrack struct {
+	inflight  int
+	uncertain bool // a work request ended without the responder's word
+}
+
+// Endpoint is one RDMA path to an owner: a QP per NIC pair, a sender that
+// turns slices into work requests, and failover between the pairs.
+type Endpoint struct {
+	t    *Transport
+	peer string
+	conn uint64
+	info *infoReply
+
+	mu      sync.Mutex
+	cond    *sync.Cond
+	pairs   []*pair
+	queue   []*wslice
+	keys    map[memory.Key]*keysReply
+	reqs    map[uint64]*reqTrack
+	dead    bool
+	deadErr error
+	rr      int
+	noPath  time.Time // since when no pair was healthy
+	done    chan struct{}
+	resets  sync.WaitGroup
+	ctx     context.Context
+	cancel  context.CancelFunc
+}
+
+// Dial connects to the owner whose segment name is addr's peer: it asks
+// for its NICs, creates one QP per NIC pair and connects them.
+func (t *Transport) Dial(ctx context.Context, peer, self string) (transport.Endpoint, error) {
+	if t.closing.Load() {
+		return nil, transport.ErrClosed
+	}
+	rep, err := t.exchange(ctx, peer, []byte{kindInfo, wireVersion})
+	if err != nil {
+		return nil, fmt.Errorf("rdma: info from %s: %w", peer, err)
+	}
+	info, err := decodeInfo(rep)
+	if err != nil {
+		return nil, fmt.Errorf("rdma: info from %s: %w: %w", peer, transport.ErrProtocol, err)
+	}
+	e := &Endpoint{
+		t: t, peer: peer, conn: rand.Uint64(), info: info, keys: map[memory.Key]*keysReply{},
+		reqs: map[uint64]*reqTrack{}, done: make(chan struct{}),
+	}
+	e.cond = sync.NewCond(&e.mu)
+	e.ctx, e.cancel = context.WithCancel(context.Background())
+	for li, n := range t.nics {
+		for ri := range info.NICs {
+			if len(e.pairs) == maxPairsPerEndpoint {
+				break
+			}
+			if len(t.nics)*len(info.NICs) > maxPairsPerEndpoint && ri != li%len(info.NICs) && ri != (li+1)%len(info.NICs) {
+				// Many NICs: each local NIC gets its rail and the next.
+				continue
+			}
+			e.pairs = append(e.pairs, &pair{slot: uint8(len(e.pairs)), nic: n, remote: ri})
+		}
+	}
+	if err := e.connect(ctx, e.pairs); err != nil {
+		e.destroyQPs()
+		return nil, err
+	}
+	go e.sender()
+	return e, nil
+}
+
+func (t *Transport) exchange(ctx context.Context, peer string, body []byte) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, t.opts.RequestTimeout)
+	defer cancel()
+	rep, err := t.opts.Exchange(ctx, peer, body)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", transport.ErrConnection, err)
+	}
+	return rep, nil
+}
+
+// connect creates fresh QPs for ps and connects them through one CONNECT
+// exchange.
+func (e *Endpoint) connect(ctx context.Context, ps []*pair) error {
+	req := &connectReq{Conn: e.conn}
+	for _, p := range ps {
+		qp, err := p.nic.pd.CreateQP(p.nic.cq, p.nic.cq, p.nic.maxWR, 16, verbs.MaxInline)
+		if err != nil {
+			return fmt.Errorf("rdma: %w: %w", transport.ErrConnection, err)
+		}
+		p.qp, p.psn = qp, rand.Uint32()&0xffffff
+		if err := qp.ToInit(p.nic.Port.Num, verbs.AccessLocalWrite|verbs.AccessRemoteWrite|verbs.AccessRemoteRead); err != nil {
+			return fmt.Errorf("rdma: %w: %w", transport.ErrConnection, err)
+		}
+		req.Pairs = append(req.Pairs, pairReq{
+			Slot: p.slot, Local: uint8(p.nic.Index), Remote: uint8(p.remote), QP: qpInfo{QPN: qp.Num, PSN: p.psn},
+			LID: p.nic.Port.LID, GID: p.nic.Port.GID, Ethernet: p.nic.Port.Ethernet(), MTU: uint8(p.nic.Port.ActiveMTU),
+		})
+	}
+	rep, err := e.t.exchange(ctx, e.peer, req.encode())
+	if err != nil {
+		return fmt.Errorf("rdma: connect to %s: %w", e.peer, err)
+	}
+	cr, err := decodeConnectReply(rep, len(ps))
+	if err != nil {
+		return fmt.Errorf("rdma: connect to %s: %w: %w", e.peer, transport.ErrProtocol, err)
+	}
+	for i, p := range ps {
+		ri := e.info.NICs[p.remote]
+		r := verbs.Remote{QPN: cr.QPs[i].QPN, PSN: cr.QPs[i].PSN, LID: ri.LID, GID: ri.GID, Global: ri.Ethernet || p.nic.Port.Ethernet(), MTU: verbs.MTU(ri.MTU)}
+		if err := e.t.toRTR(p.qp, p.nic, r); err != nil {
+			return fmt.Errorf("rdma: %w: %w", transport.ErrConnection, err)
+		}
+		if err := p.qp.ToRTS(p.psn, e.t.opts.Timeout, e.t.opts.RetryCount); err != nil {
+			return fmt.Errorf("rdma: %w: %w", transport.ErrConnection, err)
+		}
+	}
+	e.mu.Lock()
+	for _, p := range ps {
+		p.healthy = true
+	}
+	e.cond.Broadcast()
+	e.mu.Unlock()
+	return nil
+}
+
+func (e *Endpoint) destroyQPs() {
+	for _, p := range e.pairs {
+		if p.qp != nil {
+			_ = p.qp.ToError()
+			_ = p.qp.Destroy()
+			p.qp = nil
+		}
+	}
+}
+
+// Post implements transport.Endpoint.
+func (e *Endpoint) Post(slices []*transport.Slice) {
+	e.mu.Lock()
+	if e.dead {
+		err := e.deadErr
+		e.mu.Unlock()
+		for _, s := range slices {
+			s.Finish(err)
+		}
+		return
+	}
+	for _, s := range slices {
+		e.queue = append(e.queue, &wslice{s: s})
+	}
+	e.cond.Broadcast()
+	e.mu.Unlock()
+}
+
+// Dead implements transport.Endpoint.
+func (e *Endpoint) Dead() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.dead
+}
+
+// Close implements transport.Endpoint.
+func (e *Endpoint) Close() error {
+	e.Abort(transport.ErrClosed)
+	return nil
+}
+
+// Abort implements transport.Endpoint: the QPs go to the error state, which
+// flushes what was posted; Abort returns once every work request completed
+// (so the NICs no longer touch the slices' memory) or the flush timed out.
+func (e *Endpoint) Abort(reason error) {
+	err := fmt.Errorf("rdma path to %s: %w: %w", e.peer, transport.ErrConnection, reason)
+	if errors.Is(reason, transport.ErrClosed) {
+		err = fmt.Errorf("rdma path to %s: %w", e.peer, reason)
+	}
+	e.mu.Lock()
+	if e.dead {
+		e.mu.Unlock()
+		<-e.done
+		return
+	}
+	e.dead, e.deadErr = true, err
+	queue := e.queue
+	e.queue = nil
+	for _, p := range e.pairs {
+		p.healthy = false
+		if p.qp != nil {
+			_ = p.qp.ToError()
+		}
+	}
+	e.cond.Broadcast()
+	e.mu.Unlock()
+	e.cancel()
+	for _, w := range queue {
+		w.s.Finish(err)
+	}
+	<-e.done
+	e.resets.Wait()
+	// Wait for the flush: a work request still counted may still move
+	// bytes of its slice.
+	deadline := time.Now().Add(abortFlushTimeout)
+	e.mu.Lock()
+	for e.inflight() > 0 && time.Now().Before(deadline) {
+		e.mu.Unlock()
+		time.Sleep(100 * time.Microsecond)
+		e.mu.Lock()
+	}
+	left := e.inflight()
+	e.mu.Unlock()
+	if left > 0 {
+		e.t.log.Error("kvferry: rdma work requests not flushed after abort; their QPs stay until close", "peer", e.peer, "left", left)
+		return
+	}
+	e.destroyQPs()
+	if !e.t.closing.Load() {
+		e.t.wg.Add(1)
+		go func() {
+			defer e.t.wg.Done()
+			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			defer cancel()
+			b := []byte{kindDisconnect, wireVersion, 0, 0, 0, 0, 0, 0, 0, 0}
+			for i := range 8 {
+				b[2+i] = byte(e.conn >> (8 * i))
+			}
+			_, _ = e.t.opts.Exchange(ctx, e.peer, b)
+		}()
+	}
+}
+
+func (e *Endpoint) inflight() int {
+	n := 0
+	for _, p := range e.pairs {
+		n += p.inflight
+	}
+	return n
+}
+
+// Drain implements transport.Drainer: it returns once no work request of
+// requestID is on the wire. It fails when one ended without the responder's
+// answer (a flushed or timed-out request may still have landed, or land
+// later), so the ACK then says "cut", not "drained".
+func (e *Endpoint) Drain(ctx context.Context, requestID uint64) error {
+	stop := context.AfterFunc(ctx, func() {
+		e.mu.Lock()
+		e.cond.Broadcast()
+		e.mu.Unlock()
+	})
+	defer stop()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for {
+		r := e.reqs[requestID]
+		busy := r != nil && r.inflight > 0
+		for _, w := range e.queue {
+			if w.s.RequestID == requestID && w.s.State() == transport.StateActive {
+				busy = true
+			}
+		}
+		if !busy {
+			if r != nil {
+				delete(e.reqs, requestID)
+				if r.uncertain {
+					return fmt.Errorf("rdma: request %d: a work request ended without the responder's answer", requestID)
+				}
+			}
+			return nil
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("rdma: drain request %d: %w", requestID, ctx.Err())
+		}
+		e.cond.Wait()
+	}
+}
+
+// sender turns queued slices into work requests and posts them, a batch
+// per pair with one cgo call.
+func (e *Endpoint) sender() {
+	defer close(e.done)
+	for {
+		e.mu.Lock()
+		for len(e.queue) == 0 && !e.dead {
+			e.cond.Wait()
+		}
+		if e.dead {
+			e.mu.Unlock()
+			return
+		}
+		batch := e.queue
+		if len(batch) > 256 {
+			batch = batch[:256]
+		}
+		e.queue = e.queue[len(batch):]
+		e.mu.Unlock()
+		e.postBatch(batch)
+	}
+}
+
+// plan is one work request to post.
+type plan struct {
+	ws    *wslice
+	wr    verbs.WR
+	bytes uint64
+}
+
+func (e *Endpoint) postBatch(batch []*wslice) {
+	byPair := map[*pair][]plan{}
+	var order []*pair
+	for _, w := range batch {
+		if w.s.State() != transport.StateQueued && w.s.State() != transport.StateActive {
+			continue // canceled meanwhile
+		}
+		if w.reposts == 0 && !w.s.Advance(transport.StateQueued, transport.StateActive) {
+			continue
+		}
+		p, plans, err := e.planSlice(w)
+		if err == nil && p == nil {
+			// No path: the endpoint died while the slice waited for one.
+			err = e.deathErr()
+		}
+		if err != nil {
+			e.finish(w, err)
+			continue
+		}
+		if _, ok := byPair[p]; !ok {
+			order = append(order, p)
+		}
+		byPair[p] = append(byPair[p], plans...)
+	}
+	for _, p := range order {
+		e.postOn(p, byPair[p])
+	}
+}
+
+// planSlice resolves the owner's key, picks a pair and builds the work
+// requests of one slice. A nil pair with a nil error means the slice was
+// queued again or ended.
+func (e *Endpoint) planSlice(w *wslice) (*pair, []plan, error) {
+	s := w.s
+	kr, err := e.resolve(s)
+	if err != nil {
+		return nil, nil, err
+	}
+	n := uint64(len(s.Local))
+	if n == 0 || s.Remote < kr.Addr || s.Remote-kr.Addr > kr.Len || n > kr.Len-(s.Remote-kr.Addr) {
+		return nil, nil, fmt.Errorf("%w: [%#x, +%d) is outside the owner's registration [%#x, +%d)", transport.ErrRefused, s.Remote, n, kr.Addr, kr.Len)
+	}
+	if s.LocalReg == nil {
+		return nil, nil, fmt.Errorf("%w: slice without local registration", transport.ErrRefused)
+	}
+	p := e.pick(s, kr)
+	if p == nil {
+		return nil, nil, nil
+	}
+	local, err := e.t.localSpans(s.LocalReg.Key, memory.AddrOf(s.Local), n, p.nic.Index)
+	if err != nil {
+		return nil, nil, err
+	}
+	op := uint8(verbs.OpWrite)
+	if s.Op == transport.Read {
+		op = verbs.OpRead
+	}
+	// Cut at local pieces, remote pieces and the message limit.
+	var plans []plan
+	roff := s.Remote - kr.Addr
+	for _, l := range local {
+		laddr, left := l.addr, l.len
+		for left > 0 {
+			pi := findPiece(kr.Pieces, roff)
+			pc := kr.Pieces[pi]
+			k := min(left, pc.Off+pc.Len-roff, maxMessage)
+			plans = append(plans, plan{ws: w, bytes: k, wr: verbs.WR{
+				LocalAddr: laddr, Length: uint32(k), LKey: l.key,
+				RemoteAddr: kr.Addr + roff, RKey: pc.RKeys[p.remote], Opcode: op, Flags: verbs.FlagSignaled,
+			}})
+			laddr += k
+			roff += k
+			left -= k
+		}
+	}
+	return p, plans, nil
+}
+
+func findPiece(ps []piece, off uint64) int {
+	lo, hi := 0, len(ps)-1
+	for lo < hi {
+		mid := (lo + hi + 1) / 2
+		if ps[mid].Off <= off {
+			lo = mid
+		} else {
+			hi = mid - 1
+		}
+	}
+	return lo
+}
+
+// resolve returns the owner's registration for the slice's key, asking
+// the owner once per key (it admits the access as it would on tcp).
+func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, error) {
+	e.mu.Lock()
+	kr := e.keys[s.Key]
+	e.mu.Unlock()
+	if kr != nil {
+		return kr, nil
+	}
+	req := &keysReq{Key: uint64(s.Key), Op: uint8(s.Op), RequestID: s.RequestID, Generation: s.Generation, GrantID: s.GrantID, Addr: s.Remote, Len: uint64(len(s.Local))}
+	rep, err := e.t.exchange(e.ctx, e.peer, req.encode())
+	if e.ctx.Err() != nil {
+		// Aborted while asking: the slice ends with the abort's error.
+		return nil, e.deathErr()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("rdma: keys of %#x at %s: %w", s.Key, e.peer, err)
+	}
+	kr, err = decodeKeysReply(rep, len(e.info.NICs))
+	if err != nil {
+		if errors.Is(err, transport.ErrRefused) {
+			return nil, fmt.Errorf("rdma: key %#x at %s: %w", s.Key, e.peer, err)
+		}
+		return nil, fmt.Errorf("rdma: keys of %#x at %s: %w: %w", s.Key, e.peer, transport.ErrProtocol, err)
+	}
+	e.mu.Lock()
+	if len(e.keys) >= 1<<16 {
+		clear(e.keys) // keys are cheap to ask again; memory is not
+	}
+	e.keys[s.Key] = kr
+	e.mu.Unlock()
+	return kr, nil
+}
+
+// pick chooses a healthy pair by the NIC preference of both ends' memory,
+// rotating among equally good ones. With none healthy it waits for a
+// reconnect, up to noPathTimeout; then the slice fails (retryable).
+func (e *Endpoint) pick(s *transport.Slice, kr *keysReply) *pair {
+	localLoc := "cpu"
+	if s.LocalReg != nil && s.LocalReg.Location != "" {
+		localLoc = s.LocalReg.Location
+	}
+	lpref := topo.Preference(localLoc, -1, e.t.topoNICs())
+	lrank := make([]int, len(e.t.nics))
+	for r, i := range lpref {
+		lrank[i] = r
+	}
+	rrank := make([]int, len(e.info.NICs))
+	if m, ok := e.info.Matrix[kr.Location]; ok {
+		for r, i := range m {
+			rrank[i] = r
+		}
+	} else if m, ok := e.info.Matrix["cpu"]; ok {
+		for r, i := range m {
+			rrank[i] = r
+		}
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for {
+		if e.dead {
+			return nil
+		}
+		best, bestScore, ties := -1, 1<<30, 0
+		for i, p := range e.pairs {
+			if !p.healthy {
+				continue
+			}
+			sc := lrank[p.nic.Index] + rrank[p.remote]
+			if sc < bestScore {
+				best, bestScore, ties = i, sc, 1
+			} else if sc == bestScore {
+				ties++
+				if (e.rr % ties) == 0 {
+					best = i
+				}
+			}
+		}
+		if best >= 0 {
+			e.rr++
+			e.noPath = time.Time{}
+			return e.pairs[best]
+		}
+		if e.noPath.IsZero() {
+			e.noPath = time.Now()
+		}
+		if time.Since(e.noPath) > noPathTimeout {
+			go e.Abort(errors.New("no NIC path reconnected in time"))
+			return nil
+		}
+		t := time.AfterFunc(50*time.Millisecond, func() {
+			e.mu.Lock()
+			e.cond.Broadcast()
+			e.mu.Unlock()
+		})
+		e.cond.Wait()
+		t.Stop()
+	}
+}
+
+// postOn posts plans on p, waiting for room in its send queue.
+func (e *Endpoint) postOn(p *pair, plans []plan) {
+	for len(plans) > 0 {
+		e.mu.Lock()
+		for !e.dead && p.healthy && p.inflight >= p.nic.maxWR {
+			e.cond.Wait()
+		}
+		if e.dead || !p.healthy {
+			e.mu.Unlock()
+			e.requeue(plans)
+			return
+		}
+		room := min(p.nic.maxWR-p.inflight, len(plans))
+		chunk := plans[:room]
+		wrs := make([]verbs.WR, room)
+		ids := make([]uint64, room)
+		for i := range chunk {
+			c := &wrCtx{ep: e, pair: p, ws: chunk[i].ws, bytes: chunk[i].bytes}
+			ids[i] = e.t.track(c)
+			wrs[i] = chunk[i].wr
+			wrs[i].ID = ids[i]
+			chunk[i].ws.remaining++
+			p.inflight++
+			r := e.reqs[chunk[i].ws.s.RequestID]
+			if r == nil {
+				r = &reqTrack{}
+				e.reqs[chunk[i].ws.s.RequestID] = r
+			}
+			r.inflight++
+		}
+		qp := p.qp
+		p.nic.inflight.Add(int64(room))
+		// The lock is held across the post so Abort cannot destroy the
+		// QP under it; a post is a few hundred nanoseconds per request.
+		posted, err := qp.PostSend(wrs)
+		e.t.stats.Posted.Add(uint64(posted))
+		var unposted []plan
+		if err != nil {
+			for i := posted; i < room; i++ {
+				e.t.untrack(ids[i])
+				chunk[i].ws.remaining--
+				p.inflight--
+				e.reqs[chunk[i].ws.s.RequestID].inflight--
+				p.nic.inflight.Add(-1)
+				unposted = append(unposted, chunk[i])
+			}
+			e.breakPair(p, err)
+		}
+		e.mu.Unlock()
+		p.nic.kick()
+		plans = plans[room:]
+		if len(unposted) > 0 {
+			e.requeue(append(unposted, plans...))
+			return
+		}
+	}
+}
+
+// requeue puts the slices of unposted plans back in the queue (once each).
+// Those with work requests still out are reposted when the last completes.
+func (e *Endpoint) requeue(plans []plan) {
+	seen := map[*wslice]bool{}
+	e.mu.Lock()
+	var fail []*wslice
+	for _, pl := range plans {
+		w := pl.ws
+		if seen[w] {
+			continue
+		}
+		seen[w] = true
+		if w.remaining > 0 {
+			w.repost = true
+			continue
+		}
+		if e.dead {
+			fail = append(fail, w)
+			continue
+		}
+		w.reposts++
+		e.queue = append(e.queue, w)
+	}
+	err := e.deadErr
+	e.cond.Broadcast()
+	e.mu.Unlock()
+	for _, w := range fail {
+		w.s.Finish(err)
+	}
+}
+
+// breakPair marks p failed and starts its reconnection. Called with mu held.
+func (e *Endpoint) breakPair(p *pair, cause error) {
+	if !p.healthy && p.resetting {
+		return
+	}
+	p.healthy = false
+	if e.dead || p.resetting {
+		return
+	}
+	p.resetting = true
+	e.t.stats.Failovers.Add(1)
+	e.t.log.Warn("kvferry: rdma path failed; moving its work to other NIC paths", "peer", e.peer,
+		"nic", p.nic.Name, "remote_nic", e.info.NICs[p.remote].Name, "err", cause)
+	e.resets.Add(1)
+	go e.reset(p)
+}
+
+// reset reconnects a failed pair: its QP goes to error, every request on it
+// completes (flushed), and a new QP is connected in its slot.
+func (e *Endpoint) reset(p *pair) {
+	defer e.resets.Done()
+	e.mu.Lock()
+	qp := p.qp
+	e.mu.Unlock()
+	if qp != nil {
+		_ = qp.ToError()
+	}
+	backoff := 20 * time.Millisecond
+	for {
+		e.mu.Lock()
+		for p.inflight > 0 && !e.dead {
+			e.mu.Unlock()
+			select {
+			case <-e.ctx.Done():
+			case <-time.After(200 * time.Microsecond):
+			}
+			e.mu.Lock()
+		}
+		if e.dead {
+			p.resetting = false
+			e.mu.Unlock()
+			return
+		}
+		old := p.qp
+		p.qp = nil
+		e.mu.Unlock()
+		if old != nil {
+			_ = old.Destroy()
+		}
+		ctx, cancel := context.WithTimeout(e.ctx, e.t.opts.RequestTimeout)
+		err := e.connect(ctx, []*pair{p})
+		cancel()
+		if err == nil {
+			e.t.stats.Reconnects.Add(1)
+			e.mu.Lock()
+			p.resetting = false
+			e.cond.Broadcast()
+			e.mu.Unlock()
+			return
+		}
+		e.t.log.Debug("kvferry: rdma reconnect failed; retrying", "peer", e.peer, "nic", p.nic.Name, "err", err)
+		select {
+		case <-e.ctx.Done():
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, time.Second)
+	}
+}
+
+// completed takes one completion (on the NIC's poller).
+func (e *Endpoint) completed(c *wrCtx, status uint32, text string) {
+	e.mu.Lock()
+	p, w := c.pair, c.ws
+	p.inflight--
+	r := e.reqs[w.s.RequestID]
+	if r != nil {
+		r.inflight--
+	}
+	w.remaining--
+	if status != verbs.WCSuccess {
+		err := fmt.Errorf("rdma %v on %s to %s: %s (status %d)", w.s.Op, p.nic.Name, e.peer, text, status)
+		switch status {
+		case verbs.WCRemAccessErr, verbs.WCRemInvReqErr, verbs.WCRemOpErr:
+			// The owner's NIC refused: the key is gone or the range
+			// wrong. Final; the cached key is dropped so the next
+			// slice asks the owner again.
+			delete(e.keys, w.s.Key)
+			if w.final == nil {
+				w.final = fmt.Errorf("%w: %w", transport.ErrRefused, err)
+			}
+		case verbs.WCLocProtErr, verbs.WCLocLenErr:
+			if w.final == nil {
+				w.final = fmt.Errorf("%w: local memory: %w", transport.ErrRefused, err)
+			}
+		default:
+			// Flushed or timed out: the path is broken, and the bytes
+			// of this request may or may not have landed.
+			if r != nil {
+				r.uncertain = true
+			}
+			if e.dead {
+				if w.final == nil {
+					w.final = fmt.Errorf("%w: %w", e.deadErr, err)
+				}
+			} else {
+				w.repost = true
+			}
+		}
+		e.breakPair(p, err)
+	}
+	var end bool
+	var ferr error
+	if w.remaining == 0 {
+		switch {
+		case w.final != nil:
+			end, ferr = true, w.final
+		case w.repost && (e.dead || w.reposts >= maxReposts):
+			end, ferr = true, fmt.Errorf("rdma path to %s: %w: failed on %d NIC paths", e.peer, transport.ErrConnection, w.reposts+1)
+		case w.repost:
+			w.repost = false
+		default:
+			end = true
+		}
+	}
+	e.cond.Broadcast()
+	e.mu.Unlock()
+	if !end && w.remaining == 0 {
+		// Post it again on another path, unless its request changed.
+		if w.s.Recheck != nil {
+			if err := w.s.Recheck(w.s); err != nil {
+				e.finish(w, err)
+				return
+			}
+		}
+		e.requeueOne(w)
+		return
+	}
+	if end {
+		e.finish(w, ferr)
+	}
+}
+
+func (e *Endpoint) requeueOne(w *wslice) {
+	e.mu.Lock()
+	if e.dead {
+		err := e.deadErr
+		e.mu.Unlock()
+		w.s.Finish(err)
+		return
+	}
+	w.reposts++
+	e.queue = append(e.queue, w)
+	e.cond.Broadcast()
+	e.mu.Unlock()
+}
+
+// deathErr is the error slices of a dead endpoint end with.
+func (e *Endpoint) deathErr() error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.deadErr != nil {
+		return e.deadErr
+	}
+	return fmt.Errorf("rdma path to %s: %w", e.peer, transport.ErrConnection)
+}
+
+func (e *Endpoint) finish(w *wslice, err error) {
+	w.s.Finish(err)
+}

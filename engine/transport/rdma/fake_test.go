@@ -1,0 +1,75 @@
+package rdma_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"testing"
+
+	"github.com/kvferry/kvferry/internal/fakeverbs"
+	"github.com/kvferry/kvferry/verbs"
+
+	"github.com/kvferry/kvferry/engine/transport"
+	"github.com/kvferry/kvferry/engine/transport/rdma"
+)
+
+func TestMain(m *testing.M) {
+	cleanup := fakeverbs.UseFabric()
+	code := m.Run()
+	cleanup()
+	os.Exit(code)
+}
+
+func needFake(t testing.TB) string { return fakeverbs.Path(t) }
+
+// testLibrary is the libibverbs the conformance suite runs on: the fake,
+// or with KVFERRY_TEST_RDMA=1 the system's, on this host's real devices.
+func testLibrary(t testing.TB) string {
+	t.Helper()
+	if os.Getenv("KVFERRY_TEST_RDMA") == "1" {
+		return verbs.DefaultLibrary
+	}
+	return needFake(t)
+}
+
+// pairOf makes an owner and an initiator transport over the fake provider,
+// whose handshakes reach each other directly (the engine carries them on
+// its control plane).
+type pairOf struct {
+	owner, init *rdma.Transport
+}
+
+const initiatorName = "initiator:1"
+
+func newPair(t testing.TB, owner transport.Owner, fence bool, devices string) *pairOf {
+	t.Helper()
+	lib := testLibrary(t)
+	p := &pairOf{}
+	var err error
+	p.owner, err = rdma.New(rdma.Options{
+		Library: lib, Devices: devices, Fence: fence,
+		Exchange: func(ctx context.Context, peer string, body []byte) ([]byte, error) {
+			return nil, fmt.Errorf("the owner dials nobody")
+		},
+	})
+	if err != nil {
+		t.Fatalf("owner transport: %v", err)
+	}
+	if _, err := p.owner.Listen(owner); err != nil {
+		t.Fatalf("listen: %v", err)
+	}
+	p.init, err = rdma.New(rdma.Options{
+		Library: lib, Devices: devices,
+		Exchange: func(ctx context.Context, peer string, body []byte) ([]byte, error) {
+			if err := ctx.Err(); err != nil {
+				return nil, err
+			}
+			return p.owner.Serve(initiatorName, body)
+		},
+	})
+	if err != nil {
+		_ = p.owner.Close()
+		t.Fatalf("initiator transport: %v", err)
+	}
+	return p
+}

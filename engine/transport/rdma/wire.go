@@ -1,0 +1,437 @@
+package rdma
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+
+	"github.com/kvferry/kvferry/engine/transport"
+)
+
+// The rdma transport's own messages ride the control plane as TRANSPORT
+// requests: the first byte says which. Every field is little endian and
+// every count is checked against the bytes present before anything is
+// allocated.
+const (
+	wireVersion = 1
+
+	kindInfo       = 1 // -> infoReply: the owner's NICs and preference matrix
+	kindConnect    = 2 // -> connectReply: responder QPs for the initiator's QPs
+	kindKeys       = 3 // -> keysReply: the rkeys of one registration
+	kindDisconnect = 4 // -> empty: the initiator gave up a connection
+
+	maxNICs      = 32
+	maxPairs     = 64
+	maxPieces    = 4096
+	maxName      = 64
+	maxLocations = 64
+)
+
+// errWire marks a malformed message.
+var errWire = errors.New("malformed rdma message")
+
+// nicInfo is what a peer needs to address one of our NICs.
+type nicInfo struct {
+	Name     string
+	Port     uint8
+	Ethernet bool
+	MTU      uint8
+	LID      uint16
+	GID      [16]byte
+	GIDIndex uint8
+	NUMA     int16
+	PCI      string
+}
+
+// infoReply describes an owner's NICs and, per memory location, the order
+// in which its NICs should be used (Mooncake's priority matrix).
+type infoReply struct {
+	NICs   []nicInfo
+	Matrix map[string][]uint8
+}
+
+// qpInfo is one end of an RC connection.
+type qpInfo struct {
+	QPN uint32
+	PSN uint32
+}
+
+// pairReq asks the owner for a responder QP on its NIC Remote connected to
+// the initiator's QP on its NIC Local.
+type pairReq struct {
+	Slot     uint8 // the initiator's pair slot: a reconnect replaces it
+	Local    uint8
+	Remote   uint8
+	QP       qpInfo
+	LID      uint16
+	GID      [16]byte
+	Ethernet bool
+	MTU      uint8
+}
+
+type connectReq struct {
+	Conn  uint64
+	Pairs []pairReq
+}
+
+type connectReply struct {
+	QPs []qpInfo
+}
+
+// keysReq names one registration of the owner and the access about to use
+// it, which the owner admits like any other.
+type keysReq struct {
+	Key        uint64
+	Op         uint8
+	RequestID  uint64
+	Generation uint32
+	GrantID    uint64
+	Addr       uint64
+	Len        uint64
+}
+
+// piece is one memory region of a registration on every owner NIC (a
+// registration larger than a device's max MR size is split).
+type piece struct {
+	Off   uint64
+	Len   uint64
+	RKeys []uint32 // per owner NIC
+}
+
+type keysReply struct {
+	Addr     uint64
+	Len      uint64
+	Location string
+	Pieces   []piece
+}
+
+type reader struct {
+	b   []byte
+	err error
+}
+
+func (r *reader) take(n int) []byte {
+	if r.err != nil {
+		return nil
+	}
+	if n < 0 || len(r.b) < n {
+		r.err = fmt.Errorf("%w: truncated", errWire)
+		return nil
+	}
+	v := r.b[:n]
+	r.b = r.b[n:]
+	return v
+}
+
+func (r *reader) u8() uint8 {
+	if b := r.take(1); b != nil {
+		return b[0]
+	}
+	return 0
+}
+
+func (r *reader) u16() uint16 {
+	if b := r.take(2); b != nil {
+		return binary.LittleEndian.Uint16(b)
+	}
+	return 0
+}
+
+func (r *reader) u32() uint32 {
+	if b := r.take(4); b != nil {
+		return binary.LittleEndian.Uint32(b)
+	}
+	return 0
+}
+
+func (r *reader) u64() uint64 {
+	if b := r.take(8); b != nil {
+		return binary.LittleEndian.Uint64(b)
+	}
+	return 0
+}
+
+func (r *reader) str(limit int) string {
+	n := int(r.u8())
+	if n > limit {
+		r.err = fmt.Errorf("%w: string of %d bytes (at most %d)", errWire, n, limit)
+		return ""
+	}
+	return string(r.take(n))
+}
+
+func (r *reader) gid() (g [16]byte) {
+	copy(g[:], r.take(16))
+	return g
+}
+
+func (r *reader) end() error {
+	if r.err == nil && len(r.b) != 0 {
+		r.err = fmt.Errorf("%w: %d trailing bytes", errWire, len(r.b))
+	}
+	return r.err
+}
+
+func putStr(b []byte, s string) []byte {
+	b = append(b, byte(len(s)))
+	return append(b, s...)
+}
+
+func (m *infoReply) encode() []byte {
+	b := []byte{kindInfo, wireVersion, byte(len(m.NICs))}
+	for _, n := range m.NICs {
+		b = putStr(b, n.Name)
+		b = append(b, n.Port, boolByte(n.Ethernet), n.MTU, n.GIDIndex)
+		b = binary.LittleEndian.AppendUint16(b, n.LID)
+		b = append(b, n.GID[:]...)
+		b = binary.LittleEndian.AppendUint16(b, uint16(n.NUMA))
+		b = putStr(b, n.PCI)
+	}
+	b = append(b, byte(len(m.Matrix)))
+	for _, loc := range sortedKeys(m.Matrix) {
+		b = putStr(b, loc)
+		b = append(b, byte(len(m.Matrix[loc])))
+		b = append(b, m.Matrix[loc]...)
+	}
+	return b
+}
+
+func decodeInfo(body []byte) (*infoReply, error) {
+	r := &reader{b: body}
+	if r.u8() != kindInfo || r.u8() != wireVersion {
+		return nil, fmt.Errorf("%w: not an info reply of version %d", errWire, wireVersion)
+	}
+	n := int(r.u8())
+	if n == 0 || n > maxNICs {
+		return nil, fmt.Errorf("%w: %d NICs", errWire, n)
+	}
+	m := &infoReply{NICs: make([]nicInfo, n), Matrix: map[string][]uint8{}}
+	for i := range m.NICs {
+		x := &m.NICs[i]
+		x.Name = r.str(maxName)
+		x.Port, x.Ethernet, x.MTU, x.GIDIndex = r.u8(), r.u8() == 1, r.u8(), r.u8()
+		x.LID = r.u16()
+		x.GID = r.gid()
+		x.NUMA = int16(r.u16())
+		x.PCI = r.str(maxName)
+		if r.err == nil && (x.MTU < 1 || x.MTU > 5) {
+			return nil, fmt.Errorf("%w: NIC %d has MTU code %d", errWire, i, x.MTU)
+		}
+	}
+	locs := int(r.u8())
+	if locs > maxLocations {
+		return nil, fmt.Errorf("%w: %d locations", errWire, locs)
+	}
+	for range locs {
+		loc := r.str(maxName)
+		k := int(r.u8())
+		idx := r.take(k)
+		if r.err != nil {
+			break
+		}
+		for _, v := range idx {
+			if int(v) >= n {
+				return nil, fmt.Errorf("%w: location %q names NIC %d of %d", errWire, loc, v, n)
+			}
+		}
+		m.Matrix[loc] = append([]uint8(nil), idx...)
+	}
+	if err := r.end(); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+func (m *connectReq) encode() []byte {
+	b := []byte{kindConnect, wireVersion}
+	b = binary.LittleEndian.AppendUint64(b, m.Conn)
+	b = append(b, byte(len(m.Pairs)))
+	for _, p := range m.Pairs {
+		b = append(b, p.Slot, p.Local, p.Remote, boolByte(p.Ethernet), p.MTU)
+		b = binary.LittleEndian.AppendUint32(b, p.QP.QPN)
+		b = binary.LittleEndian.AppendUint32(b, p.QP.PSN)
+		b = binary.LittleEndian.AppendUint16(b, p.LID)
+		b = append(b, p.GID[:]...)
+	}
+	return b
+}
+
+func decodeConnect(body []byte) (*connectReq, error) {
+	r := &reader{b: body}
+	if r.u8() != kindConnect || r.u8() != wireVersion {
+		return nil, fmt.Errorf("%w: not a connect request of version %d", errWire, wireVersion)
+	}
+	m := &connectReq{Conn: r.u64()}
+	n := int(r.u8())
+	if n == 0 || n > maxPairs {
+		return nil, fmt.Errorf("%w: %d pairs", errWire, n)
+	}
+	m.Pairs = make([]pairReq, n)
+	for i := range m.Pairs {
+		p := &m.Pairs[i]
+		p.Slot, p.Local, p.Remote, p.Ethernet, p.MTU = r.u8(), r.u8(), r.u8(), r.u8() == 1, r.u8()
+		p.QP.QPN, p.QP.PSN = r.u32(), r.u32()
+		p.LID = r.u16()
+		p.GID = r.gid()
+		if r.err == nil && (p.MTU < 1 || p.MTU > 5 || p.QP.QPN == 0 || p.QP.QPN > 0xffffff || p.QP.PSN > 0xffffff) {
+			return nil, fmt.Errorf("%w: pair %d: MTU code %d, QPN %#x, PSN %#x", errWire, i, p.MTU, p.QP.QPN, p.QP.PSN)
+		}
+	}
+	if err := r.end(); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+func (m *connectReply) encode() []byte {
+	b := []byte{kindConnect, wireVersion, byte(len(m.QPs))}
+	for _, q := range m.QPs {
+		b = binary.LittleEndian.AppendUint32(b, q.QPN)
+		b = binary.LittleEndian.AppendUint32(b, q.PSN)
+	}
+	return b
+}
+
+func decodeConnectReply(body []byte, want int) (*connectReply, error) {
+	r := &reader{b: body}
+	if r.u8() != kindConnect || r.u8() != wireVersion {
+		return nil, fmt.Errorf("%w: not a connect reply of version %d", errWire, wireVersion)
+	}
+	n := int(r.u8())
+	if n != want {
+		return nil, fmt.Errorf("%w: %d QPs for %d pairs", errWire, n, want)
+	}
+	m := &connectReply{QPs: make([]qpInfo, n)}
+	for i := range m.QPs {
+		m.QPs[i] = qpInfo{QPN: r.u32(), PSN: r.u32()}
+		if r.err == nil && (m.QPs[i].QPN == 0 || m.QPs[i].QPN > 0xffffff || m.QPs[i].PSN > 0xffffff) {
+			return nil, fmt.Errorf("%w: QP %d: QPN %#x PSN %#x", errWire, i, m.QPs[i].QPN, m.QPs[i].PSN)
+		}
+	}
+	if err := r.end(); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+func (m *keysReq) encode() []byte {
+	b := []byte{kindKeys, wireVersion, m.Op}
+	b = binary.LittleEndian.AppendUint64(b, m.Key)
+	b = binary.LittleEndian.AppendUint64(b, m.RequestID)
+	b = binary.LittleEndian.AppendUint32(b, m.Generation)
+	b = binary.LittleEndian.AppendUint64(b, m.GrantID)
+	b = binary.LittleEndian.AppendUint64(b, m.Addr)
+	return binary.LittleEndian.AppendUint64(b, m.Len)
+}
+
+func decodeKeys(body []byte) (*keysReq, error) {
+	r := &reader{b: body}
+	if r.u8() != kindKeys || r.u8() != wireVersion {
+		return nil, fmt.Errorf("%w: not a keys request of version %d", errWire, wireVersion)
+	}
+	m := &keysReq{Op: r.u8(), Key: r.u64(), RequestID: r.u64(), Generation: r.u32(), GrantID: r.u64(), Addr: r.u64(), Len: r.u64()}
+	if err := r.end(); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// Statuses of a keys reply that refuses.
+const (
+	keysOK      = 0
+	keysRefused = 1
+	keysAborted = 2
+)
+
+// encodeKeysRefusal is the owner's refusal of a keys request, with its
+// reason.
+func encodeKeysRefusal(status uint8, reason string) []byte {
+	if len(reason) > 255 {
+		reason = reason[:255]
+	}
+	return putStr([]byte{kindKeys, wireVersion, status}, reason)
+}
+
+func (m *keysReply) encode() []byte {
+	b := []byte{kindKeys, wireVersion, keysOK}
+	b = binary.LittleEndian.AppendUint64(b, m.Addr)
+	b = binary.LittleEndian.AppendUint64(b, m.Len)
+	b = putStr(b, m.Location)
+	nics := 0
+	if len(m.Pieces) > 0 {
+		nics = len(m.Pieces[0].RKeys)
+	}
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(m.Pieces)))
+	b = append(b, byte(nics))
+	for _, p := range m.Pieces {
+		b = binary.LittleEndian.AppendUint64(b, p.Off)
+		b = binary.LittleEndian.AppendUint64(b, p.Len)
+		for _, k := range p.RKeys {
+			b = binary.LittleEndian.AppendUint32(b, k)
+		}
+	}
+	return b
+}
+
+// decodeKeysReply checks that the pieces tile [0, Len) in order, so a
+// bad reply cannot make the initiator write outside what the owner named.
+func decodeKeysReply(body []byte, wantNICs int) (*keysReply, error) {
+	r := &reader{b: body}
+	if r.u8() != kindKeys || r.u8() != wireVersion {
+		return nil, fmt.Errorf("%w: not a keys reply of version %d", errWire, wireVersion)
+	}
+	switch st := r.u8(); st {
+	case keysOK:
+	case keysRefused, keysAborted:
+		reason := r.str(255)
+		if err := r.end(); err != nil {
+			return nil, err
+		}
+		if st == keysAborted {
+			return nil, fmt.Errorf("%w: %w: %s", transport.ErrRefused, transport.ErrAborted, reason)
+		}
+		return nil, fmt.Errorf("%w: %s", transport.ErrRefused, reason)
+	default:
+		return nil, fmt.Errorf("%w: keys status %d", errWire, st)
+	}
+	m := &keysReply{Addr: r.u64(), Len: r.u64(), Location: r.str(maxName)}
+	n := int(r.u16())
+	nics := int(r.u8())
+	if r.err != nil {
+		return nil, r.err
+	}
+	if n == 0 || n > maxPieces || nics != wantNICs || m.Addr+m.Len < m.Addr || m.Len == 0 {
+		return nil, fmt.Errorf("%w: %d pieces on %d NICs (want %d) for [%#x, +%d)", errWire, n, nics, wantNICs, m.Addr, m.Len)
+	}
+	if len(r.b) < n*(16+4*nics) {
+		return nil, fmt.Errorf("%w: truncated pieces", errWire)
+	}
+	m.Pieces = make([]piece, n)
+	var next uint64
+	for i := range m.Pieces {
+		p := &m.Pieces[i]
+		p.Off, p.Len = r.u64(), r.u64()
+		p.RKeys = make([]uint32, nics)
+		for k := range p.RKeys {
+			p.RKeys[k] = r.u32()
+		}
+		if p.Off != next || p.Len == 0 || p.Len > m.Len-p.Off {
+			return nil, fmt.Errorf("%w: piece %d at +%d of %d bytes does not follow +%d within %d", errWire, i, p.Off, p.Len, next, m.Len)
+		}
+		next = p.Off + p.Len
+	}
+	if next != m.Len {
+		return nil, fmt.Errorf("%w: pieces cover %d of %d bytes", errWire, next, m.Len)
+	}
+	if err := r.end(); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+func boolByte(b bool) byte {
+	if b {
+		return 1
+	}
+	return 0
+}

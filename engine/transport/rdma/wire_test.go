@@ -1,0 +1,104 @@
+package rdma
+
+import (
+	"bytes"
+	"errors"
+	"testing"
+
+	"github.com/kvferry/kvferry/engine/transport"
+)
+
+func sampleInfo() *infoReply {
+	return &infoReply{
+		NICs: []nicInfo{
+			{Name: "mlx5_0", Port: 1, Ethernet: true, MTU: 5, GID: [16]byte{0xfe, 0x80, 15: 1}, NUMA: 0, PCI: "0000:3b:00.0"},
+			{Name: "mlx5_1", Port: 1, MTU: 4, LID: 7, NUMA: -1},
+		},
+		Matrix: map[string][]uint8{"cpu": {0, 1}, "cpu:1": {1, 0}},
+	}
+}
+
+func TestWireRoundTrips(t *testing.T) {
+	info := sampleInfo()
+	got, err := decodeInfo(info.encode())
+	if err != nil || len(got.NICs) != 2 || got.NICs[0] != info.NICs[0] || got.NICs[1] != info.NICs[1] || !bytes.Equal(got.Matrix["cpu:1"], []byte{1, 0}) {
+		t.Fatalf("info: %+v, %v", got, err)
+	}
+	cr := &connectReq{Conn: 99, Pairs: []pairReq{{Slot: 3, Local: 1, Remote: 0, QP: qpInfo{QPN: 0x123, PSN: 0xabc}, LID: 9, MTU: 5, Ethernet: true}}}
+	gc, err := decodeConnect(cr.encode())
+	if err != nil || gc.Conn != 99 || gc.Pairs[0] != cr.Pairs[0] {
+		t.Fatalf("connect: %+v, %v", gc, err)
+	}
+	rep := &connectReply{QPs: []qpInfo{{QPN: 5, PSN: 6}}}
+	if g, err := decodeConnectReply(rep.encode(), 1); err != nil || g.QPs[0] != rep.QPs[0] {
+		t.Fatalf("connect reply: %+v, %v", g, err)
+	}
+	if _, err := decodeConnectReply(rep.encode(), 2); !errors.Is(err, errWire) {
+		t.Fatalf("a reply for the wrong number of pairs: %v", err)
+	}
+	kr := &keysReply{Addr: 0x1000, Len: 300, Location: "cpu:0", Pieces: []piece{{Off: 0, Len: 200, RKeys: []uint32{1, 2}}, {Off: 200, Len: 100, RKeys: []uint32{3, 4}}}}
+	gk, err := decodeKeysReply(kr.encode(), 2)
+	if err != nil || gk.Len != 300 || gk.Pieces[1].RKeys[1] != 4 {
+		t.Fatalf("keys: %+v, %v", gk, err)
+	}
+	if _, err := decodeKeysReply(encodeKeysRefusal(keysAborted, "gone"), 2); !errors.Is(err, transport.ErrAborted) || !errors.Is(err, transport.ErrRefused) {
+		t.Fatalf("aborted refusal: %v", err)
+	}
+	// Pieces that leave a hole or overlap are refused: they could steer
+	// a write outside what the owner named.
+	bad := &keysReply{Addr: 0x1000, Len: 300, Pieces: []piece{{Off: 0, Len: 100, RKeys: []uint32{1}}, {Off: 150, Len: 150, RKeys: []uint32{2}}}}
+	if _, err := decodeKeysReply(bad.encode(), 1); !errors.Is(err, errWire) {
+		t.Fatalf("pieces with a hole: %v", err)
+	}
+	kq := &keysReq{Key: 1, Op: 2, RequestID: 3, Generation: 4, GrantID: 5, Addr: 6, Len: 7}
+	if g, err := decodeKeys(kq.encode()); err != nil || *g != *kq {
+		t.Fatalf("keys request: %+v, %v", g, err)
+	}
+}
+
+// FuzzDecode feeds every decoder the same bytes: none may panic, and what
+// decodes must encode back to a message that decodes the same.
+func FuzzDecode(f *testing.F) {
+	f.Add(sampleInfo().encode())
+	f.Add((&connectReq{Conn: 1, Pairs: []pairReq{{QP: qpInfo{QPN: 1}, MTU: 3}}}).encode())
+	f.Add((&connectReply{QPs: []qpInfo{{QPN: 1}}}).encode())
+	f.Add((&keysReq{Key: 1}).encode())
+	f.Add((&keysReply{Addr: 1, Len: 1, Pieces: []piece{{Len: 1, RKeys: []uint32{1}}}}).encode())
+	f.Add(encodeKeysRefusal(keysRefused, "no"))
+	f.Add([]byte{})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if m, err := decodeInfo(b); err == nil {
+			if _, err := decodeInfo(m.encode()); err != nil {
+				t.Fatalf("info re-encode: %v", err)
+			}
+		}
+		if m, err := decodeConnect(b); err == nil {
+			if g, err := decodeConnect(m.encode()); err != nil || len(g.Pairs) != len(m.Pairs) {
+				t.Fatalf("connect re-encode: %v", err)
+			}
+		}
+		_, _ = decodeConnectReply(b, 1)
+		if m, err := decodeKeys(b); err == nil {
+			if g, err := decodeKeys(m.encode()); err != nil || *g != *m {
+				t.Fatalf("keys re-encode: %v", err)
+			}
+		}
+		for nics := range 3 {
+			if m, err := decodeKeysReply(b, nics); err == nil {
+				if _, err := decodeKeysReply(m.encode(), nics); err != nil {
+					t.Fatalf("keys reply re-encode: %v", err)
+				}
+				var next uint64
+				for _, p := range m.Pieces {
+					if p.Off != next {
+						t.Fatalf("pieces do not tile: %+v", m.Pieces)
+					}
+					next += p.Len
+				}
+				if next != m.Len {
+					t.Fatalf("pieces cover %d of %d", next, m.Len)
+				}
+			}
+		}
+	})
+}

@@ -1,0 +1,65 @@
+// Package fakeverbs finds, building it when needed, the fake libibverbs of
+// tests/fakeverbs for tests of the rdma code on machines without an RDMA
+// NIC (every CI machine). The fake is a C library with libibverbs' ABI that
+// the real loader opens; its NICs live in shared memory (see its README).
+package fakeverbs
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"testing"
+)
+
+var (
+	once    sync.Once
+	path    string
+	buildEr error
+)
+
+// Root is the repository root.
+func Root() string {
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Join(filepath.Dir(file), "..", "..")
+}
+
+// Path returns the fake library, built once per process with `make
+// fakeverbs`. A failed build fails the test: the fake is part of the tree.
+func Path(t testing.TB) string {
+	t.Helper()
+	once.Do(func() {
+		root := Root()
+		lib := filepath.Join(root, "build", "fakeverbs", "libibverbs.so.1")
+		out, err := exec.Command("make", "-C", root, "--no-print-directory", "-s", "fakeverbs").CombinedOutput()
+		if err != nil {
+			buildEr = fmt.Errorf("make fakeverbs: %v\n%s", err, out)
+			return
+		}
+		if _, err := os.Stat(lib); err != nil {
+			buildEr = fmt.Errorf("make fakeverbs left no %s: %w", lib, err)
+			return
+		}
+		path = lib
+	})
+	if buildEr != nil {
+		t.Fatalf("the fake libibverbs: %v", buildEr)
+	}
+	return path
+}
+
+// UseFabric points this process (and the children it starts afterwards)
+// at a fake fabric of its own, named after the process, so parallel test
+// processes never share NICs. Call it before the fake library is loaded;
+// call cleanup when the process's tests are done: it removes the fabric's
+// shared memory, unless a parent process set the fabric.
+func UseFabric() (cleanup func()) {
+	if v := os.Getenv("FAKEVERBS_FABRIC"); v != "" {
+		return func() {} // a parent set it: share its fabric, and leave it
+	}
+	name := fmt.Sprintf("/kvferry-fakeverbs-test-%d", os.Getpid())
+	_ = os.Setenv("FAKEVERBS_FABRIC", name)
+	return func() { _ = os.Remove("/dev/shm" + name) }
+}
