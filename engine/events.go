@@ -177,6 +177,13 @@ func (e *Engine) closeEvents() {
 // when ctx has none). A notification sent after a WRITE completed arrives
 // after that WRITE's bytes are visible at the peer: a WRITE completes only
 // once the owner applied it.
+//
+// Over rdma the notification goes in-band, a SEND on the path's queue
+// pairs posted once every work request of requestID on the segment's
+// paths completed, so it arrives after the request's data even when the
+// WRITEs are still in flight at the call. It returns once the peer's NIC
+// took it; a peer whose event queue is full then drops it and counts it
+// (it cannot answer ErrBusy in-band).
 func (e *Engine) Notify(ctx context.Context, seg *Segment, requestID uint64, data []byte) error {
 	if err := e.checkOpen(); err != nil {
 		return err
@@ -191,6 +198,9 @@ func (e *Engine) Notify(ctx context.Context, seg *Segment, requestID uint64, dat
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, e.opts.DefaultTimeout)
 		defer cancel()
+	}
+	if ok, err := e.notifyInband(ctx, seg, requestID, data); ok {
+		return err
 	}
 	body := control.Notification{RequestID: requestID, Data: data}.Encode()
 	t, reply, err := e.plane.Request(ctx, seg.name, control.MsgNotify, body)

@@ -185,3 +185,33 @@ func TestRDMAAbortRowsOfSafetyMD(t *testing.T) {
 		})
 	}
 }
+
+// A notification goes in-band over rdma, on the path's QPs, and arrives
+// after the request's data even when it is sent while the WRITE is still
+// landing (the fake places it slowly).
+func TestRDMANotifyArrivesInBandAfterTheData(t *testing.T) {
+	owner := newEngineWith(t, rdmaOpts(t, engine.Options{}))
+	init := newEngineWith(t, rdmaOpts(t, engine.Options{}))
+	const size, rid = 4 << 20, 31
+	dst, src := alloc(t, owner, size), alloc(t, init, size)
+	fillPattern(src, 4)
+	seg := openSegment(t, init, owner.Name())
+	fakeControl(t, "delay dev=fake0 us=1000;delay dev=fake1 us=1000")
+	b := submit(t, init, withRID(write(src, seg, engine.AddrOf(dst), size), rid, 0))
+	if err := init.Notify(testCtx(t, 20*time.Second), seg, rid, []byte("kv ready")); err != nil {
+		t.Fatalf("notify: %v", err)
+	}
+	select {
+	case ev := <-owner.Events():
+		if ev.Kind != engine.EventNotify || ev.RequestID != rid || string(ev.Data) != "kv ready" || ev.Peer != init.Name() {
+			t.Fatalf("event %+v", ev)
+		}
+		requireEqual(t, "owner memory when the notification arrived", dst, src)
+	case <-time.After(20 * time.Second):
+		t.Fatal("no notification")
+	}
+	waitBatch(t, b, 30*time.Second)
+	if n := owner.Stats().RDMANotifications; n != 1 {
+		t.Fatalf("%d notifications arrived in-band, want 1 (the control plane carried it?)", n)
+	}
+}

@@ -618,7 +618,7 @@ type QPAttr struct {
 type QP struct {
 	pd  *PD
 	c   unsafe.Pointer
-	mu  sync.Mutex // serialises Modify against Destroy
+	mu  sync.Mutex // serialises posts and Modify against Destroy
 	Num uint32
 }
 
@@ -733,6 +733,8 @@ func (q *QP) PostSend(wrs []WR) (int, error) {
 	if len(wrs) == 0 {
 		return 0, nil
 	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
 	c := q.c
 	if c == nil {
 		return 0, ErrClosed
@@ -751,6 +753,8 @@ func (q *QP) PostRecv(wrs []RecvWR) (int, error) {
 	if len(wrs) == 0 {
 		return 0, nil
 	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
 	c := q.c
 	if c == nil {
 		return 0, ErrClosed

@@ -72,6 +72,9 @@ type Options struct {
 	Timeout, RetryCount uint8
 	// RequestTimeout bounds each handshake exchange; 5 s when zero.
 	RequestTimeout time.Duration
+	// OnNotify takes a notification that arrived in-band from initiator
+	// (on a NIC's poller: it must not block).
+	OnNotify func(initiator string, requestID uint64, data []byte)
 	Logger         *slog.Logger
 }
 
@@ -87,9 +90,10 @@ type NIC struct {
 	maxMR     uint64
 	maxWR     int
 
-	pollMu   sync.Mutex
+	slots    *slotPool     // notification buffers
 	poll     chan struct{} // kicks the poller when work is posted
 	inflight atomic.Int64  // work requests posted on this NIC not yet completed
+	recvs    atomic.Int64  // receives posted for notifications
 }
 
 // Transport is the RDMA transport of one engine.
@@ -120,6 +124,7 @@ type Transport struct {
 // counters are the transport's counters.
 type counters struct {
 	Posted, Completed, ErrorCompletions, Failovers, Fences, Reconnects atomic.Uint64
+	Notifies, BadNotifies                                               atomic.Uint64
 }
 
 // Stats is a snapshot of the transport's counters.
@@ -130,6 +135,8 @@ type Stats struct {
 	Failovers        uint64 // NIC paths that failed and were reconnected (or tried)
 	Fences           uint64 // owner-side fences
 	Reconnects       uint64 // NIC paths reconnected
+	Notifies         uint64 // notifications received in-band
+	BadNotifies      uint64 // malformed in-band notifications dropped
 }
 
 // Stats returns a snapshot of the counters.
@@ -137,6 +144,7 @@ func (t *Transport) Stats() Stats {
 	return Stats{
 		Posted: t.stats.Posted.Load(), Completed: t.stats.Completed.Load(), ErrorCompletions: t.stats.ErrorCompletions.Load(),
 		Failovers: t.stats.Failovers.Load(), Fences: t.stats.Fences.Load(), Reconnects: t.stats.Reconnects.Load(),
+		Notifies: t.stats.Notifies.Load(), BadNotifies: t.stats.BadNotifies.Load(),
 	}
 }
 
@@ -253,16 +261,24 @@ func (t *Transport) openNIC(d verbs.Device, p verbs.Port) error {
 	if maxMR == 0 {
 		maxMR = 1 << 30
 	}
-	t.nics = append(t.nics, &NIC{
+	n := &NIC{
 		Index: len(t.nics), Name: d.Name, Port: p, Placement: topo.ReadPlacement(d.Path),
 		ctx: ctx, pd: pd, cq: cq, maxMR: maxMR, maxWR: min(max(ctx.Attr.MaxQPWR, 16), 1024, cqSize/4),
 		poll: make(chan struct{}, 1),
-	})
+	}
+	if n.slots, err = newSlotPool(n); err != nil {
+		_ = cq.Destroy()
+		_ = pd.Dealloc()
+		_ = ctx.Close()
+		return err
+	}
+	t.nics = append(t.nics, n)
 	return nil
 }
 
 func (t *Transport) closeNICs() {
 	for _, n := range t.nics {
+		n.slots.close()
 		_ = n.cq.Destroy()
 		_ = n.pd.Dealloc()
 		_ = n.ctx.Close()
@@ -546,10 +562,12 @@ func (t *Transport) serveConnect(from string, req *connectReq) ([]byte, error) {
 	}
 	for i, p := range req.Pairs {
 		if old := rc.qps[p.Slot]; old != nil {
-			_ = old.ToError()
-			_ = old.Destroy()
+			t.destroyResponder(old)
 		}
 		rc.qps[p.Slot] = made[i]
+		if err := t.postRecvs(t.nics[p.Remote], made[i], from, recvsPerQP); err != nil {
+			t.log.Warn("kvferry: rdma receives for notifications not posted", "peer", from, "err", err)
+		}
 	}
 	return reply.encode(), nil
 }
@@ -636,8 +654,7 @@ func (t *Transport) dropConn(from string, conn uint64) {
 	t.connMu.Unlock()
 	if rc != nil {
 		for _, q := range rc.qps {
-			_ = q.ToError()
-			_ = q.Destroy()
+			t.destroyResponder(q)
 		}
 	}
 }
@@ -667,6 +684,7 @@ func (t *Transport) Fence(ctx context.Context, initiator string) error {
 	t.connMu.Unlock()
 	t.stats.Fences.Add(1)
 	for _, q := range qps {
+		t.dropRecvs(q)
 		_ = q.Destroy()
 	}
 	if len(errs) > 0 {
@@ -694,8 +712,7 @@ func (t *Transport) Close() error {
 	for _, byConn := range conns {
 		for _, rc := range byConn {
 			for _, q := range rc.qps {
-				_ = q.ToError()
-				_ = q.Destroy()
+				t.destroyResponder(q)
 			}
 		}
 	}
@@ -720,12 +737,15 @@ func (t *Transport) Close() error {
 
 // ---- completions ----------------------------------------------------------
 
-// wrCtx is one posted work request.
+// wrCtx is one posted work request: a slice's, a notification's SEND, or
+// a receive for notifications.
 type wrCtx struct {
 	ep    *Endpoint
 	pair  *pair
 	ws    *wslice
 	bytes uint64
+	send  *sendCtx
+	recv  *recvCtx
 }
 
 func (n *NIC) kick() {
@@ -759,11 +779,18 @@ func (t *Transport) poller(n *NIC) {
 			continue
 		}
 		if n.inflight.Load() == 0 {
+			// Idle. Receives for notifications may still complete: look
+			// every millisecond while any is posted (no completion
+			// channel), else only when work is posted.
+			wait := 50 * time.Millisecond
+			if n.recvs.Load() > 0 {
+				wait = time.Millisecond
+			}
 			select {
 			case <-t.closed:
 				return
 			case <-n.poll:
-			case <-time.After(50 * time.Millisecond):
+			case <-time.After(wait):
 			}
 			continue
 		}
@@ -789,12 +816,21 @@ func (t *Transport) complete(n *NIC, wcs []verbs.WC) {
 		if c == nil {
 			continue
 		}
-		n.inflight.Add(-1)
+		if c.recv == nil {
+			n.inflight.Add(-1)
+		}
 		t.stats.Completed.Add(1)
 		if wc.Status != verbs.WCSuccess {
 			t.stats.ErrorCompletions.Add(1)
 		}
-		c.ep.completed(c, wc.Status, t.lib.WCStatusString(wc.Status))
+		switch {
+		case c.recv != nil:
+			t.received(c.recv, wc)
+		case c.send != nil:
+			c.ep.sent(c, wc.Status)
+		default:
+			c.ep.completed(c, wc.Status, t.lib.WCStatusString(wc.Status))
+		}
 	}
 }
 
@@ -807,10 +843,16 @@ func (t *Transport) track(c *wrCtx) uint64 {
 	return id
 }
 
-func (t *Transport) untrack(id uint64) {
+func (t *Transport) untrack(id uint64) { t.untrackIf(id) }
+
+// untrackIf forgets a work request and reports whether it was still
+// tracked (a completion or dropRecvs may have taken it first).
+func (t *Transport) untrackIf(id uint64) bool {
 	t.wrMu.Lock()
+	_, ok := t.wrs[id]
 	delete(t.wrs, id)
 	t.wrMu.Unlock()
+	return ok
 }
 
 func sortedKeys[V any](m map[string]V) []string {
