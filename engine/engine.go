@@ -197,6 +197,15 @@ func (e *Engine) Port() int {
 func (e *Engine) Descriptor() *control.Descriptor {
 	d := e.desc
 	d.Epoch = e.epoch.Load()
+	if e.rdma != nil {
+		// The NIC preference matrix changes with the locations registered.
+		d.Transports = append([]control.TransportAddr(nil), d.Transports...)
+		for i := range d.Transports {
+			if d.Transports[i].Name == "rdma" {
+				d.Transports[i].Addr = e.rdma.DescriptorAddr()
+			}
+		}
+	}
 	regions := e.reg.Regions()
 	d.Buffers = make([]control.Buffer, len(regions))
 	for i, r := range regions {

@@ -34,7 +34,7 @@ func (e *Engine) startRDMA() error {
 	}
 	e.rdma = t
 	e.reg.Watch(t)
-	e.desc.Transports = append(e.desc.Transports, control.TransportAddr{Name: "rdma", Addr: "cp"})
+	e.desc.Transports = append(e.desc.Transports, control.TransportAddr{Name: "rdma", Addr: t.DescriptorAddr()})
 	e.log.Info("kvferry: rdma transport up", "nics", t.NICNames())
 	return nil
 }

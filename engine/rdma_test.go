@@ -54,6 +54,9 @@ func TestRDMAOverFakeMovesDataBothWays(t *testing.T) {
 	if st.RDMANICs == 0 || st.RDMAWorkRequests == 0 {
 		t.Fatalf("stats %+v: the transfer did not go over rdma", st)
 	}
+	if a, ok := seg.Descriptor().Transport("rdma"); !ok || !strings.HasPrefix(a, "nics=fake0:1,fake1:1;cpu=") {
+		t.Errorf("the descriptor's rdma entry is %q; want the NICs and their preference per location", a)
+	}
 	if o := owner.Stats(); o.OwnerBytesIn != 0 {
 		t.Errorf("owner counted %d bytes in: its code copied, so tcp carried the data", o.OwnerBytesIn)
 	}

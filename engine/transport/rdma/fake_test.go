@@ -15,6 +15,9 @@ import (
 
 func TestMain(m *testing.M) {
 	cleanup := fakeverbs.UseFabric()
+	// fake0 on NUMA node 0, fake1 on node 1: the preference tests see
+	// a two-socket machine.
+	_ = os.Setenv("FAKEVERBS_NUMA", "0,1")
 	code := m.Run()
 	cleanup()
 	os.Exit(code)

@@ -338,6 +338,33 @@ func (t *Transport) Matrix() map[string][]uint8 {
 	return out
 }
 
+// DescriptorAddr is what the segment descriptor says of the transport
+// (at most 255 bytes): the NICs and, per memory location, their order of
+// preference, e.g. "nics=mlx5_0:1,mlx5_1:1;cpu=0,1;cpu:1=1,0". Peers take
+// the same from the INFO handshake, which carries GIDs too; this copy is
+// for inspection (descriptors are what tools print).
+func (t *Transport) DescriptorAddr() string {
+	var b strings.Builder
+	b.WriteString("nics=" + strings.Join(t.NICNames(), ","))
+	m := t.Matrix()
+	for _, loc := range sortedKeys(m) {
+		idx := make([]string, len(m[loc]))
+		for i, v := range m[loc] {
+			idx[i] = strconv.Itoa(int(v))
+		}
+		part := ";" + loc + "=" + strings.Join(idx, ",")
+		if b.Len()+len(part) > 255 {
+			break
+		}
+		b.WriteString(part)
+	}
+	s := b.String()
+	if len(s) > 255 {
+		s = s[:255]
+	}
+	return s
+}
+
 func (t *Transport) topoNICs() []topo.NIC {
 	out := make([]topo.NIC, len(t.nics))
 	for i, n := range t.nics {
