@@ -75,7 +75,7 @@ type Options struct {
 	// OnNotify takes a notification that arrived in-band from initiator
 	// (on a NIC's poller: it must not block).
 	OnNotify func(initiator string, requestID uint64, data []byte)
-	Logger         *slog.Logger
+	Logger   *slog.Logger
 }
 
 // NIC is one opened device port the transport uses.
@@ -124,7 +124,7 @@ type Transport struct {
 // counters are the transport's counters.
 type counters struct {
 	Posted, Completed, ErrorCompletions, Failovers, Fences, Reconnects atomic.Uint64
-	Notifies, BadNotifies                                               atomic.Uint64
+	Notifies, BadNotifies                                              atomic.Uint64
 }
 
 // Stats is a snapshot of the transport's counters.
