@@ -7,3 +7,5 @@ require (
 	github.com/pebbe/zmq4 v1.4.0
 	golang.org/x/sys v0.50.0
 )
+
+require github.com/NVIDIA/go-nvml v0.13.4-1

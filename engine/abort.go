@@ -173,7 +173,9 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		// Before the fence: from now on the initiators may not connect
 		// new QPs until they acknowledged this abort.
 		for _, name := range names {
-			e.noteFence(name, abortKey{requestID, gen})
+			if err := e.noteFence(name, abortKey{requestID, gen}); err != nil && reason == nil {
+				reason = err
+			}
 		}
 	}
 	for _, f := range fences {
@@ -488,6 +490,11 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 // work; it reports whether all did. Paths of tcp and local have nothing to
 // drain once their slices ended.
 func (e *Engine) drainPaths(k tombKey) bool {
+	if e.rdma != nil && e.rdma.Uncertain(k.owner, k.rid) {
+		// Some path, perhaps one replaced or closed since, lost work of
+		// the request without the owner's answer: it may still land.
+		return false
+	}
 	e.segMu.Lock()
 	seg := e.segments[k.owner]
 	e.segMu.Unlock()

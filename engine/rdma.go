@@ -132,35 +132,30 @@ func (e *Engine) admitInitiator(initiator string) error {
 	return fmt.Errorf("%w: %d aborts of %s unacknowledged", rdma.ErrFencePending, len(pend), initiator)
 }
 
+// maxFenceDebts bounds the unacknowledged fences remembered. They are not
+// forgotten to make room: an initiator whose debt was dropped could connect
+// again without knowing of the abort. Past the bound, Abort reports not
+// Safe instead of fencing.
+const maxFenceDebts = 1 << 20
+
 // noteFence records, before the fence, that initiator owes an ACK for k.
-func (e *Engine) noteFence(initiator string, k abortKey) {
+func (e *Engine) noteFence(initiator string, k abortKey) error {
 	e.fenceMu.Lock()
 	defer e.fenceMu.Unlock()
 	m := e.fenced[initiator]
+	if _, ok := m[k]; ok {
+		return nil
+	}
+	if e.nfenced >= maxFenceDebts {
+		return fmt.Errorf("%d rdma fences await their initiators' ACKs (at most %d): %w", e.nfenced, maxFenceDebts, ErrBusy)
+	}
 	if m == nil {
 		m = map[abortKey]struct{}{}
 		e.fenced[initiator] = m
 	}
-	if _, ok := m[k]; !ok {
-		m[k] = struct{}{}
-		e.nfenced++
-	}
-	if e.nfenced > e.opts.MaxTombstones {
-		// Bounded like tombstones: an initiator that never answers loses
-		// its oldest debts first; forgetting one can only let it connect
-		// (its tombstone keeps its own submits from writing).
-		for name, mm := range e.fenced {
-			if name == initiator {
-				continue
-			}
-			e.nfenced -= len(mm)
-			delete(e.fenced, name)
-			e.log.Warn("kvferry: forgot unacknowledged rdma fences", "initiator", name, "count", len(mm))
-			if e.nfenced <= e.opts.MaxTombstones {
-				break
-			}
-		}
-	}
+	m[k] = struct{}{}
+	e.nfenced++
+	return nil
 }
 
 // ackedFence clears initiator's debt for k.

@@ -22,7 +22,9 @@ import "C"
 import (
 	"errors"
 	"fmt"
+	"os"
 	"runtime"
+	"strings"
 	"sync"
 	"syscall"
 	"unsafe"
@@ -305,7 +307,8 @@ func (l *Library) OpenContext(i int) (*Context, error) {
 			LinkLayer: int(pa.link_layer), Speed: uint8(pa.active_speed), Width: uint8(pa.active_width),
 		}
 		port.GIDIndex = -1
-		for gi := 0; gi < max(port.GIDTable, 1) && gi < 128; gi++ {
+		best := -1
+		for gi := 0; gi < max(port.GIDTable, 1) && gi < 256; gi++ {
 			var gid [16]C.uint8_t
 			if C.kvfv_query_gid(l.c, c, C.int(p), C.int(gi), &gid[0]) != 0 {
 				break
@@ -314,14 +317,38 @@ func (l *Library) OpenContext(i int) (*Context, error) {
 			for k := range g {
 				g[k] = byte(gid[k])
 			}
-			if g != ([16]byte{}) {
-				port.GID, port.GIDIndex = g, gi
-				break
+			if g == ([16]byte{}) {
+				continue
+			}
+			score := gidScore(C.GoString(&path[0]), p, gi, g, port.Ethernet())
+			if score > best {
+				best, port.GID, port.GIDIndex = score, g, gi
 			}
 		}
 		ctx.Ports = append(ctx.Ports, port)
 	}
 	return ctx, nil
+}
+
+// gidScore ranks a GID table entry: on RoCE, RoCE v2 entries (routable,
+// what mlx5 and every modern fabric use) beat v1 ones, IPv4-mapped beats
+// link-local; sysfs says the type. On InfiniBand the first entry is right.
+func gidScore(ibdevPath string, port, index int, g [16]byte, ethernet bool) int {
+	if !ethernet {
+		return 100 - min(index, 99)
+	}
+	score := 0
+	typ, err := os.ReadFile(fmt.Sprintf("%s/ports/%d/gid_attrs/types/%d", ibdevPath, port, index))
+	if err == nil && strings.Contains(strings.ToLower(string(typ)), "v2") {
+		score += 4
+	}
+	ipv4 := g[10] == 0xff && g[11] == 0xff && g == [16]byte{10: 0xff, 11: 0xff, 12: g[12], 13: g[13], 14: g[14], 15: g[15]}
+	if ipv4 {
+		score += 2
+	} else if !(g[0] == 0xfe && g[1]&0xc0 == 0x80) {
+		score++ // global IPv6 beats link-local
+	}
+	return score
 }
 
 // Close closes the device. Every object made from it must be destroyed first.
@@ -418,10 +445,12 @@ func (m *MR) Dereg() error {
 		return ErrClosed
 	}
 	rc := C.kvfv_dereg_mr(m.pd.ctx.lib.c, m.c)
-	m.c = nil
 	if rc != 0 {
+		// Still registered: the caller may try again; the range must
+		// not be reused meanwhile.
 		return fmt.Errorf("deregister [%#x, +%d) on %s: %w", m.Addr, m.Len, m.pd.ctx.Name, syscall.Errno(rc))
 	}
+	m.c = nil
 	return nil
 }
 
@@ -695,7 +724,7 @@ func (q *QP) ToRTR(r Remote, port int, mtu MTU, sgid int) error {
 	return q.Modify(&QPAttr{
 		State: StateRTR, Port: port, PathMTU: mtu, DestQPN: r.QPN, RQPSN: r.PSN,
 		DLID: r.LID, Global: r.Global, DGID: r.GID, SGIDIndex: max(sgid, 0), HopLimit: 64,
-		MaxDestRdAtomic: 16, MinRNRTimer: 12,
+		MaxDestRdAtomic: uint8(min(max(q.pd.ctx.Attr.MaxQPRdAtom, 1), 16)), MinRNRTimer: 12,
 	}, MaskRTR)
 }
 
@@ -703,7 +732,8 @@ func (q *QP) ToRTR(r Remote, port int, mtu MTU, sgid int) error {
 // timeout exponent (4.096 us << timeout), retry the transport retry count.
 func (q *QP) ToRTS(psn uint32, timeout, retry uint8) error {
 	return q.Modify(&QPAttr{
-		State: StateRTS, SQPSN: psn, Timeout: timeout, RetryCnt: retry, RNRRetry: 7, MaxRdAtomic: 16,
+		State: StateRTS, SQPSN: psn, Timeout: timeout, RetryCnt: retry, RNRRetry: 7,
+		MaxRdAtomic: uint8(min(max(q.pd.ctx.Attr.MaxQPInitRdAtom, 1), 16)),
 	}, MaskRTS)
 }
 

@@ -45,10 +45,10 @@ type wslice struct {
 	reposts   int
 }
 
-// reqTrack counts, per request id, the work requests on the wire, for Drain.
+// reqTrack counts, per request id, the work requests on the wire, for
+// Drain and Notify. An entry lives while any is.
 type reqTrack struct {
-	inflight  int
-	uncertain bool // a work request ended without the responder's word
+	inflight int
 }
 
 // Endpoint is one RDMA path to an owner: a QP per NIC pair, a sender that
@@ -59,28 +59,30 @@ type Endpoint struct {
 	conn uint64
 	info *infoReply
 
-	mu      sync.Mutex
-	cond    *sync.Cond
-	pairs   []*pair
-	queue   []*wslice
-	keys    map[memory.Key]*keysReply
-	reqs    map[uint64]*reqTrack
-	dead    bool
-	deadErr error
-	rr      int
-	noPath  time.Time // since when no pair was healthy
-	done    chan struct{}
-	resets  sync.WaitGroup
-	ctx     context.Context
-	cancel  context.CancelFunc
+	mu       sync.Mutex
+	cond     *sync.Cond
+	pairs    []*pair
+	queue    []*wslice
+	keys     map[memory.Key]*keysReply
+	reqs     map[uint64]*reqTrack
+	dead     bool
+	deadErr  error
+	finished chan struct{} // closed when the first Abort returns
+	rr       int
+	noPath   time.Time // since when no pair was healthy
+	done     chan struct{}
+	resets   sync.WaitGroup
+	ctx      context.Context
+	cancel   context.CancelFunc
 }
 
 // Dial connects to the owner whose segment name is addr's peer: it asks
 // for its NICs, creates one QP per NIC pair and connects them.
 func (t *Transport) Dial(ctx context.Context, peer, self string) (transport.Endpoint, error) {
-	if t.closing.Load() {
+	if !t.enter() {
 		return nil, transport.ErrClosed
 	}
+	defer t.leave()
 	rep, err := t.exchange(ctx, peer, []byte{kindInfo, wireVersion})
 	if err != nil {
 		return nil, fmt.Errorf("rdma: info from %s: %w", peer, err)
@@ -91,7 +93,7 @@ func (t *Transport) Dial(ctx context.Context, peer, self string) (transport.Endp
 	}
 	e := &Endpoint{
 		t: t, peer: peer, conn: rand.Uint64(), info: info, keys: map[memory.Key]*keysReply{},
-		reqs: map[uint64]*reqTrack{}, done: make(chan struct{}),
+		reqs: map[uint64]*reqTrack{}, done: make(chan struct{}), finished: make(chan struct{}),
 	}
 	e.cond = sync.NewCond(&e.mu)
 	e.ctx, e.cancel = context.WithCancel(context.Background())
@@ -111,6 +113,14 @@ func (t *Transport) Dial(ctx context.Context, peer, self string) (transport.Endp
 		e.destroyQPs()
 		return nil, err
 	}
+	t.opMu.Lock()
+	if t.closing.Load() {
+		t.opMu.Unlock()
+		e.destroyQPs()
+		return nil, transport.ErrClosed
+	}
+	t.eps[e] = struct{}{}
+	t.opMu.Unlock()
 	go e.sender()
 	return e, nil
 }
@@ -134,7 +144,14 @@ func (e *Endpoint) connect(ctx context.Context, ps []*pair) error {
 		if err != nil {
 			return fmt.Errorf("rdma: %w: %w", transport.ErrConnection, err)
 		}
+		e.mu.Lock()
+		if e.dead {
+			e.mu.Unlock()
+			_ = qp.Destroy()
+			return fmt.Errorf("rdma: %w: path aborted", transport.ErrConnection)
+		}
 		p.qp, p.psn = qp, rand.Uint32()&0xffffff
+		e.mu.Unlock()
 		if err := qp.ToInit(p.nic.Port.Num, verbs.AccessLocalWrite|verbs.AccessRemoteWrite|verbs.AccessRemoteRead); err != nil {
 			return fmt.Errorf("rdma: %w: %w", transport.ErrConnection, err)
 		}
@@ -162,11 +179,14 @@ func (e *Endpoint) connect(ctx context.Context, ps []*pair) error {
 		}
 	}
 	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.dead {
+		return fmt.Errorf("rdma: %w: path aborted", transport.ErrConnection)
+	}
 	for _, p := range ps {
 		p.healthy = true
 	}
 	e.cond.Broadcast()
-	e.mu.Unlock()
 	return nil
 }
 
@@ -222,9 +242,10 @@ func (e *Endpoint) Abort(reason error) {
 	e.mu.Lock()
 	if e.dead {
 		e.mu.Unlock()
-		<-e.done
+		<-e.finished // the first Abort's whole work, flush included
 		return
 	}
+	defer close(e.finished)
 	e.dead, e.deadErr = true, err
 	queue := e.queue
 	e.queue = nil
@@ -253,15 +274,17 @@ func (e *Endpoint) Abort(reason error) {
 	}
 	left := e.inflight()
 	e.mu.Unlock()
+	e.t.opMu.Lock()
+	delete(e.t.eps, e)
+	e.t.opMu.Unlock()
 	if left > 0 {
-		e.t.log.Error("kvferry: rdma work requests not flushed after abort; their QPs stay until close", "peer", e.peer, "left", left)
+		e.t.log.Error("kvferry: rdma work requests not flushed after abort; their QPs are kept (never reused) so the NIC cannot touch freed state", "peer", e.peer, "left", left)
 		return
 	}
 	e.destroyQPs()
-	if !e.t.closing.Load() {
-		e.t.wg.Add(1)
+	if e.t.enter() {
 		go func() {
-			defer e.t.wg.Done()
+			defer e.t.leave()
 			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 			defer cancel()
 			b := []byte{kindDisconnect, wireVersion, 0, 0, 0, 0, 0, 0, 0, 0}
@@ -303,11 +326,8 @@ func (e *Endpoint) Drain(ctx context.Context, requestID uint64) error {
 			}
 		}
 		if !busy {
-			if r != nil {
-				delete(e.reqs, requestID)
-				if r.uncertain {
-					return fmt.Errorf("rdma: request %d: a work request ended without the responder's answer", requestID)
-				}
+			if e.t.Uncertain(e.peer, requestID) {
+				return fmt.Errorf("rdma: request %d: a work request of it ended without the responder's answer", requestID)
 			}
 			return nil
 		}
@@ -539,19 +559,29 @@ func (e *Endpoint) pick(s *transport.Slice, kr *keysReply) *pair {
 	}
 }
 
-// postOn posts plans on p, waiting for room in its send queue.
+// postOn posts plans on p, waiting for room in its send queue and its
+// NIC's completion queue. Every plan is counted in its slice (and request)
+// before the first is posted, so a slice cut into several work requests
+// cannot end while some are still unposted.
 func (e *Endpoint) postOn(p *pair, plans []plan) {
+	e.mu.Lock()
+	for _, pl := range plans {
+		pl.ws.remaining++
+		e.req(pl.ws.s.RequestID).inflight++
+	}
+	e.mu.Unlock()
 	for len(plans) > 0 {
 		e.mu.Lock()
-		for !e.dead && p.healthy && p.inflight >= p.nic.maxWR {
-			e.cond.Wait()
+		for !e.dead && p.healthy && e.room(p) <= 0 {
+			e.waitCond(10 * time.Millisecond)
 		}
 		if e.dead || !p.healthy {
+			e.unpostLocked(plans)
 			e.mu.Unlock()
 			e.requeue(plans)
 			return
 		}
-		room := min(p.nic.maxWR-p.inflight, len(plans))
+		room := min(e.room(p), len(plans))
 		chunk := plans[:room]
 		wrs := make([]verbs.WR, room)
 		ids := make([]uint64, room)
@@ -560,71 +590,111 @@ func (e *Endpoint) postOn(p *pair, plans []plan) {
 			ids[i] = e.t.track(c)
 			wrs[i] = chunk[i].wr
 			wrs[i].ID = ids[i]
-			chunk[i].ws.remaining++
 			p.inflight++
-			r := e.reqs[chunk[i].ws.s.RequestID]
-			if r == nil {
-				r = &reqTrack{}
-				e.reqs[chunk[i].ws.s.RequestID] = r
-			}
-			r.inflight++
 		}
-		qp := p.qp
 		p.nic.inflight.Add(int64(room))
 		// The lock is held across the post so Abort cannot destroy the
 		// QP under it; a post is a few hundred nanoseconds per request.
-		posted, err := qp.PostSend(wrs)
+		posted, err := p.qp.PostSend(wrs)
 		e.t.stats.Posted.Add(uint64(posted))
 		var unposted []plan
 		if err != nil {
 			for i := posted; i < room; i++ {
 				e.t.untrack(ids[i])
-				chunk[i].ws.remaining--
 				p.inflight--
-				e.reqs[chunk[i].ws.s.RequestID].inflight--
 				p.nic.inflight.Add(-1)
-				unposted = append(unposted, chunk[i])
 			}
+			unposted = append(append(unposted, chunk[posted:]...), plans[room:]...)
+			e.unpostLocked(unposted)
 			e.breakPair(p, err)
 		}
 		e.mu.Unlock()
 		p.nic.kick()
 		plans = plans[room:]
 		if len(unposted) > 0 {
-			e.requeue(append(unposted, plans...))
+			e.requeue(unposted)
 			return
 		}
 	}
 }
 
-// requeue puts the slices of unposted plans back in the queue (once each).
-// Those with work requests still out are reposted when the last completes.
+// room is how many more work requests p may post: its send queue's room,
+// bounded by its NIC's completion queue, which every QP on the NIC shares
+// (an overflowing CQ loses completions).
+func (e *Endpoint) room(p *pair) int {
+	nicRoom := int64(p.nic.cq.Size) - p.nic.inflight.Load() - p.nic.recvs.Load() - 64
+	return min(p.nic.maxWR-p.inflight, int(max(nicRoom, 0)))
+}
+
+// waitCond waits on the endpoint's condition for at most d (a NIC's room
+// frees on other endpoints' completions, which do not signal this one).
+func (e *Endpoint) waitCond(d time.Duration) {
+	t := time.AfterFunc(d, func() {
+		e.mu.Lock()
+		e.cond.Broadcast()
+		e.mu.Unlock()
+	})
+	e.cond.Wait()
+	t.Stop()
+}
+
+// req returns the tracking of a request id. Called with mu held.
+func (e *Endpoint) req(rid uint64) *reqTrack {
+	r := e.reqs[rid]
+	if r == nil {
+		r = &reqTrack{}
+		e.reqs[rid] = r
+	}
+	return r
+}
+
+// doneReq drops a request's tracking once nothing of it is out. Called with
+// mu held.
+func (e *Endpoint) doneReq(rid uint64) {
+	if r := e.reqs[rid]; r != nil && r.inflight <= 0 {
+		delete(e.reqs, rid)
+	}
+}
+
+// unpostLocked uncounts plans that were never posted; their slices are
+// posted again whole (a WRITE or READ may run twice, never partly).
+func (e *Endpoint) unpostLocked(plans []plan) {
+	for _, pl := range plans {
+		pl.ws.remaining--
+		pl.ws.repost = true
+		if r := e.reqs[pl.ws.s.RequestID]; r != nil {
+			r.inflight--
+		}
+		e.doneReq(pl.ws.s.RequestID)
+	}
+	e.cond.Broadcast()
+}
+
+// requeue puts the slices of unposted plans back in the queue (once each),
+// after rechecking their requests. Those with work requests still out are
+// posted again when the last completes.
 func (e *Endpoint) requeue(plans []plan) {
 	seen := map[*wslice]bool{}
+	var again []*wslice
 	e.mu.Lock()
-	var fail []*wslice
 	for _, pl := range plans {
 		w := pl.ws
-		if seen[w] {
+		if seen[w] || w.remaining > 0 {
 			continue
 		}
 		seen[w] = true
-		if w.remaining > 0 {
-			w.repost = true
-			continue
-		}
-		if e.dead {
-			fail = append(fail, w)
-			continue
-		}
-		w.reposts++
-		e.queue = append(e.queue, w)
+		w.repost = false
+		again = append(again, w)
 	}
-	err := e.deadErr
-	e.cond.Broadcast()
 	e.mu.Unlock()
-	for _, w := range fail {
-		w.s.Finish(err)
+	for _, w := range again {
+		if w.s.Recheck != nil {
+			if err := w.s.Recheck(w.s); err != nil {
+				w.s.Finish(err)
+				continue
+			}
+		}
+		e.requeueOne(w)
 	}
 }
 
@@ -724,10 +794,9 @@ func (e *Endpoint) completed(c *wrCtx, status uint32, text string) {
 			}
 		default:
 			// Flushed or timed out: the path is broken, and the bytes
-			// of this request may or may not have landed.
-			if r != nil {
-				r.uncertain = true
-			}
+			// of this request may or may not have landed (or land
+			// later): no drain of it can be promised from now on.
+			e.t.markUncertain(e.peer, w.s.RequestID)
 			if e.dead {
 				if w.final == nil {
 					w.final = fmt.Errorf("%w: %w", e.deadErr, err)
@@ -752,6 +821,7 @@ func (e *Endpoint) completed(c *wrCtx, status uint32, text string) {
 			end = true
 		}
 	}
+	e.doneReq(w.s.RequestID)
 	e.cond.Broadcast()
 	e.mu.Unlock()
 	if !end && w.remaining == 0 {

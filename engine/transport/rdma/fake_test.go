@@ -18,6 +18,9 @@ func TestMain(m *testing.M) {
 	// fake0 on NUMA node 0, fake1 on node 1: the preference tests see
 	// a two-socket machine.
 	_ = os.Setenv("FAKEVERBS_NUMA", "0,1")
+	// A small max MR size: registrations are split into 4 MiB pieces, so
+	// slices that cross a piece boundary become several work requests.
+	_ = os.Setenv("FAKEVERBS_MAX_MR_SIZE", "4194304")
 	code := m.Run()
 	cleanup()
 	os.Exit(code)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/verbs"
@@ -92,12 +93,19 @@ type recvCtx struct {
 func (t *Transport) postRecvs(n *NIC, qp *verbs.QP, initiator string, count int) error {
 	wrs := make([]verbs.RecvWR, 0, count)
 	for range count {
+		if n.recvs.Load()+int64(len(wrs)) >= int64(n.cq.Size/4) {
+			break // the CQ is shared with data: receives take a quarter at most
+		}
 		slot, ok := n.slots.get()
 		if !ok {
 			break
 		}
 		id := t.track(&wrCtx{recv: &recvCtx{n: n, slot: slot, qp: qp, initiator: initiator}})
 		wrs = append(wrs, verbs.RecvWR{ID: id, Addr: n.slots.addr(slot), Length: slotSize, LKey: n.slots.mr.LKey})
+	}
+	if len(wrs) < count {
+		t.log.Warn("kvferry: rdma notification buffers exhausted; notifications to this QP wait (RNR) until some are free",
+			"nic", n.Name, "peer", initiator, "posted", len(wrs), "wanted", count)
 	}
 	n.recvs.Add(int64(len(wrs)))
 	posted, err := qp.PostRecv(wrs)
@@ -249,7 +257,11 @@ func (e *Endpoint) Notify(ctx context.Context, requestID uint64, data []byte) er
 		e.mu.Lock()
 		e.breakPair(p, ctx.Err())
 		e.mu.Unlock()
-		<-done
+		select {
+		case <-done:
+		case <-time.After(abortFlushTimeout):
+			e.t.log.Error("kvferry: rdma notification SEND not flushed after its pair was cut", "peer", e.peer)
+		}
 		return fmt.Errorf("rdma notify: %w", ctx.Err())
 	}
 }

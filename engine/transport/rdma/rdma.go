@@ -114,6 +114,18 @@ type Transport struct {
 	connMu sync.Mutex
 	conns  map[string]map[uint64]*respConn // initiator -> conn id -> responder QPs
 
+	// Requests (peer, id) with a work request that ended without the
+	// responder's answer, on any endpoint, dead ones included: their
+	// bytes may still land, so no drain of them is ever promised.
+	uncMu     sync.Mutex
+	uncertain map[uncertainKey]time.Time
+
+	// Dial, Serve and disconnects in progress, and live endpoints: Close
+	// waits for the first and aborts the second before freeing NICs.
+	opMu sync.Mutex
+	ops  sync.WaitGroup
+	eps  map[*Endpoint]struct{}
+
 	closed  chan struct{}
 	closing atomic.Bool
 	wg      sync.WaitGroup
@@ -194,6 +206,7 @@ func New(opts Options) (*Transport, error) {
 	t := &Transport{
 		opts: opts, log: opts.Logger, lib: lib, mrs: map[memory.Key]*regMRs{},
 		wrs: map[uint64]*wrCtx{}, conns: map[string]map[uint64]*respConn{}, closed: make(chan struct{}),
+		uncertain: map[uncertainKey]time.Time{}, eps: map[*Endpoint]struct{}{},
 	}
 	devs, err := lib.Devices()
 	if err != nil {
@@ -480,9 +493,10 @@ type span struct {
 // loop); the reply is the body, or an error the engine sends as an ERROR
 // reply.
 func (t *Transport) Serve(from string, body []byte) ([]byte, error) {
-	if t.closing.Load() {
+	if !t.enter() {
 		return nil, transport.ErrClosed
 	}
+	defer t.leave()
 	if len(body) == 0 {
 		return nil, fmt.Errorf("%w: empty", errWire)
 	}
@@ -678,6 +692,13 @@ func (t *Transport) dropConn(from string, conn uint64) {
 	if len(t.conns[from]) == 0 {
 		delete(t.conns, from)
 	}
+	if rc != nil {
+		// In the error state before connMu is let go: a Fence racing
+		// this no longer sees these QPs and must not find them live.
+		for _, q := range rc.qps {
+			_ = q.ToError()
+		}
+	}
 	t.connMu.Unlock()
 	if rc != nil {
 		for _, q := range rc.qps {
@@ -729,9 +750,20 @@ func (t *Transport) FenceEnabled() bool { return t.opts.Fence }
 // memory is deregistered by the registry's Unregister (or here, for what
 // is left).
 func (t *Transport) Close() error {
-	if !t.closing.CompareAndSwap(false, true) {
+	t.opMu.Lock()
+	first := t.closing.CompareAndSwap(false, true)
+	eps := make([]*Endpoint, 0, len(t.eps))
+	for ep := range t.eps {
+		eps = append(eps, ep)
+	}
+	t.opMu.Unlock()
+	if !first {
 		return nil
 	}
+	for _, ep := range eps {
+		ep.Abort(transport.ErrClosed)
+	}
+	t.ops.Wait()
 	t.connMu.Lock()
 	conns := t.conns
 	t.conns = map[string]map[uint64]*respConn{}
@@ -761,6 +793,60 @@ func (t *Transport) Close() error {
 	t.closeNICs()
 	return nil
 }
+
+// ---- uncertainty and lifetime ---------------------------------------------
+
+type uncertainKey struct {
+	peer string
+	rid  uint64
+}
+
+// Bounds of the uncertain set: far longer than any packet can stay in a
+// network, and as many as the tombstones an engine keeps.
+const (
+	uncertainTTL = 10 * time.Minute
+	maxUncertain = 1 << 16
+)
+
+func (t *Transport) markUncertain(peer string, rid uint64) {
+	now := time.Now()
+	t.uncMu.Lock()
+	defer t.uncMu.Unlock()
+	t.uncertain[uncertainKey{peer, rid}] = now
+	if len(t.uncertain) > maxUncertain {
+		for k, at := range t.uncertain {
+			if now.Sub(at) > uncertainTTL || len(t.uncertain) > maxUncertain {
+				delete(t.uncertain, k)
+			}
+			if len(t.uncertain) <= maxUncertain*7/8 {
+				break
+			}
+		}
+	}
+}
+
+// Uncertain reports whether a work request of (peer, rid) ended without
+// the responder's answer in the last uncertainTTL: the initiator can then
+// not promise that the request is drained.
+func (t *Transport) Uncertain(peer string, rid uint64) bool {
+	t.uncMu.Lock()
+	defer t.uncMu.Unlock()
+	at, ok := t.uncertain[uncertainKey{peer, rid}]
+	return ok && time.Since(at) <= uncertainTTL
+}
+
+// enter counts an operation in unless the transport is closing.
+func (t *Transport) enter() bool {
+	t.opMu.Lock()
+	defer t.opMu.Unlock()
+	if t.closing.Load() {
+		return false
+	}
+	t.ops.Add(1)
+	return true
+}
+
+func (t *Transport) leave() { t.ops.Done() }
 
 // ---- completions ----------------------------------------------------------
 
