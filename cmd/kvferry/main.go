@@ -1,0 +1,222 @@
+// Command kvferry is kvferry's admin tool. `kvferry topo` prints the GPUs,
+// the RDMA NICs and the NIC preference matrix this machine would publish:
+// for each memory location (cpu:N per NUMA node, cuda:N per GPU), the NICs
+// in the order slices use them.
+//
+// GPUs come from NVML (go-nvml) when libnvidia-ml is present, else from the
+// CUDA driver (the cuda package, as the library itself uses). go-nvml lives
+// only in this command: linked into libkvferry.so it would make the library
+// fail to load with RTLD_NOW where libnvidia-ml is absent.
+package main
+
+import (
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
+	"github.com/kvferry/kvferry/cuda"
+	"github.com/kvferry/kvferry/verbs"
+	"github.com/kvferry/kvferry/verbs/topo"
+)
+
+func main() {
+	flag.Usage = func() {
+		fmt.Fprintf(os.Stderr, "usage: kvferry topo [--sys DIR]\n\n"+
+			"Prints GPUs, RDMA NICs and the NIC preference matrix. Environment:\n"+
+			"  KVFERRY_IBVERBS_LIBRARY  libibverbs to load (libibverbs.so.1)\n"+
+			"  KVFERRY_RDMA_DEVICES     device filter (as NCCL_IB_HCA)\n"+
+			"  KVFERRY_CUDA_LIBRARY     libcuda to load (libcuda.so.1) when NVML is absent\n")
+	}
+	if len(os.Args) < 2 || os.Args[1] != "topo" {
+		flag.Usage()
+		os.Exit(2)
+	}
+	fs := flag.NewFlagSet("topo", flag.ExitOnError)
+	sys := fs.String("sys", "/sys", "sysfs root (for GPU PCIe paths)")
+	_ = fs.Parse(os.Args[2:])
+	os.Exit(runTopo(os.Stdout, *sys))
+}
+
+// gpu is one GPU as found.
+type gpu struct {
+	index int
+	name  string
+	bus   string
+	numa  int
+}
+
+func runTopo(w io.Writer, sysRoot string) int {
+	gpus, how := findGPUs()
+	fmt.Fprintf(w, "GPUs (%s):\n", how)
+	if len(gpus) == 0 {
+		fmt.Fprintln(w, "  none")
+	}
+	for _, g := range gpus {
+		fmt.Fprintf(w, "  cuda:%d  %s  pci %s  numa %s  path %s\n", g.index, g.name, g.bus, numaText(g.numa), orNone(topo.PCIPathOf(sysRoot, g.bus)))
+	}
+
+	nics, nicHow := findNICs()
+	fmt.Fprintf(w, "RDMA NICs (%s):\n", nicHow)
+	if len(nics) == 0 {
+		fmt.Fprintln(w, "  none")
+	}
+	numas := map[int]bool{}
+	for _, n := range nics {
+		fmt.Fprintf(w, "  %s:%d  pci %s  numa %s\n", n.Name, n.Port, orNone(n.Placement.PCIAddress), numaText(n.Placement.NUMANode))
+		if n.Placement.NUMANode >= 0 {
+			numas[n.Placement.NUMANode] = true
+		}
+	}
+	if len(nics) == 0 {
+		fmt.Fprintln(w, "Preference matrix: none (no RDMA NIC; transfers use tcp)")
+		return 0
+	}
+	fmt.Fprintln(w, "Preference matrix (location: NICs, best first):")
+	locs := []string{"cpu"}
+	keys := make([]int, 0, len(numas))
+	for n := range numas {
+		keys = append(keys, n)
+	}
+	sort.Ints(keys)
+	for _, n := range keys {
+		locs = append(locs, "cpu:"+strconv.Itoa(n))
+	}
+	m := topo.Matrix(locs, nics)
+	for _, l := range locs {
+		fmt.Fprintf(w, "  %-8s %s\n", l, strings.Join(m[l], " "))
+	}
+	for _, g := range gpus {
+		path := topo.PCIPathOf(sysRoot, g.bus)
+		var order []int
+		if path != "" {
+			order = topo.Preference("pci:"+path, g.numa, nics)
+		} else {
+			order = topo.Preference("cpu:"+strconv.Itoa(g.numa), -1, nics)
+		}
+		names := make([]string, len(order))
+		for i, k := range order {
+			names[i] = nics[k].Name + ":" + strconv.Itoa(nics[k].Port)
+		}
+		fmt.Fprintf(w, "  %-8s %s\n", "cuda:"+strconv.Itoa(g.index), strings.Join(names, " "))
+	}
+	return 0
+}
+
+func numaText(n int) string {
+	if n < 0 {
+		return "unknown"
+	}
+	return strconv.Itoa(n)
+}
+
+func orNone(s string) string {
+	if s == "" {
+		return "unknown"
+	}
+	return s
+}
+
+// findGPUs asks NVML, then the CUDA driver, and says which answered (or
+// why neither did).
+func findGPUs() ([]gpu, string) {
+	var why []string
+	if gs, err := nvmlGPUs(); err == nil {
+		return gs, "NVML"
+	} else {
+		why = append(why, "nvml: "+err.Error())
+	}
+	d, err := cuda.Open(os.Getenv("KVFERRY_CUDA_LIBRARY"))
+	if err != nil {
+		why = append(why, err.Error())
+		return nil, strings.Join(why, "; ")
+	}
+	var out []gpu
+	for _, dev := range d.Devices() {
+		numa := topo.ReadPlacement("").NUMANode
+		if p := topo.PCIPathOf("/sys", dev.PCIBusID); p != "" {
+			numa = topo.ReadPlacement(p).NUMANode
+		}
+		out = append(out, gpu{index: dev.Ordinal, name: dev.Name, bus: dev.PCIBusID, numa: numa})
+	}
+	return out, "CUDA driver " + d.Path() + "; " + strings.Join(why, "; ")
+}
+
+func nvmlGPUs() (gs []gpu, err error) {
+	defer func() {
+		// go-nvml panics when libnvidia-ml cannot be loaded on some
+		// versions; that is "absent", not a crash.
+		if r := recover(); r != nil {
+			gs, err = nil, fmt.Errorf("%v", r)
+		}
+	}()
+	if ret := nvml.Init(); ret != nvml.SUCCESS {
+		return nil, fmt.Errorf("init: %v", nvml.ErrorString(ret))
+	}
+	defer nvml.Shutdown()
+	n, ret := nvml.DeviceGetCount()
+	if ret != nvml.SUCCESS {
+		return nil, fmt.Errorf("device count: %v", nvml.ErrorString(ret))
+	}
+	for i := range n {
+		dev, ret := nvml.DeviceGetHandleByIndex(i)
+		if ret != nvml.SUCCESS {
+			return nil, fmt.Errorf("device %d: %v", i, nvml.ErrorString(ret))
+		}
+		g := gpu{index: i, numa: -1}
+		g.name, _ = dev.GetName()
+		if pci, ret := dev.GetPciInfo(); ret == nvml.SUCCESS {
+			g.bus = strings.ToLower(cstr(pci.BusId[:]))
+		}
+		if nn, ret := dev.GetNumaNodeId(); ret == nvml.SUCCESS {
+			g.numa = nn
+		}
+		gs = append(gs, g)
+	}
+	return gs, nil
+}
+
+func cstr(b []int8) string {
+	var s []byte
+	for _, c := range b {
+		if c == 0 {
+			break
+		}
+		s = append(s, byte(c))
+	}
+	return string(s)
+}
+
+// findNICs lists active RDMA ports the filter keeps.
+func findNICs() ([]topo.NIC, string) {
+	lib, err := verbs.Open(os.Getenv("KVFERRY_IBVERBS_LIBRARY"))
+	if err != nil {
+		return nil, err.Error()
+	}
+	filter, err := topo.ParseFilter(os.Getenv("KVFERRY_RDMA_DEVICES"))
+	if err != nil {
+		return nil, err.Error()
+	}
+	devs, err := lib.Devices()
+	if err != nil {
+		return nil, err.Error()
+	}
+	var out []topo.NIC
+	for _, d := range devs {
+		for _, p := range d.Ports {
+			if p.Active() && filter.Match(d.Name, p.Num) {
+				out = append(out, topo.NIC{Name: d.Name, Port: p.Num, Placement: topo.ReadPlacement(d.Path)})
+			}
+		}
+	}
+	how := lib.Path()
+	if len(devs) == 0 {
+		how += ": no device listed"
+	}
+	return out, how
+}

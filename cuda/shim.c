@@ -1,0 +1,258 @@
+// The CUDA driver API through dlopen. Types are declared here (no CUDA
+// headers are needed to build); the values are the driver API's (cuda.h).
+#define _GNU_SOURCE
+#include "shim.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef void *CUcontext;
+
+enum {
+	CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
+	CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9,
+	CU_MEMORYTYPE_DEVICE = 2,
+	CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1,
+	CUDA_ERROR_INVALID_VALUE = 1,
+	CUDA_ERROR_INVALID_DEVICE = 101,
+};
+
+#define MAXDEV 64
+
+struct kvfc_lib {
+	void *h;
+	CUcontext ctx[MAXDEV]; // retained primary contexts
+	CUresult (*Init)(unsigned);
+	CUresult (*DeviceGetCount)(int *);
+	CUresult (*DeviceGet)(CUdevice *, int);
+	CUresult (*DeviceGetName)(char *, int, CUdevice);
+	CUresult (*DeviceGetPCIBusId)(char *, int, CUdevice);
+	CUresult (*DeviceTotalMem)(size_t *, CUdevice);
+	CUresult (*PrimaryCtxRetain)(CUcontext *, CUdevice);
+	CUresult (*PrimaryCtxRelease)(CUdevice);
+	CUresult (*CtxSetCurrent)(CUcontext);
+	CUresult (*PointerGetAttributes)(unsigned, int *, void **, CUdeviceptr);
+	CUresult (*MemGetAddressRange)(CUdeviceptr *, size_t *, CUdeviceptr);
+	CUresult (*MemAlloc)(CUdeviceptr *, size_t);
+	CUresult (*MemFree)(CUdeviceptr);
+	CUresult (*MemHostRegister)(void *, size_t, unsigned);
+	CUresult (*MemHostUnregister)(void *);
+	CUresult (*MemcpyHtoD)(CUdeviceptr, const void *, size_t);
+	CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
+	CUresult (*MemcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t);
+	CUresult (*GetHandle)(void *, CUdeviceptr, size_t, int, unsigned long long);
+	CUresult (*GetErrorString)(CUresult, const char **);
+};
+
+static kvfc_lib *volatile kept[8] __attribute__((used));
+static int nkept;
+
+int kvfc_open(const char *path, kvfc_lib **out, char *err, size_t errlen) {
+	*out = NULL;
+	dlerror();
+	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (h == NULL) {
+		const char *e = dlerror();
+		snprintf(err, errlen, "%s", e ? e : "dlopen failed");
+		return -1;
+	}
+	kvfc_lib *l = calloc(1, sizeof(*l));
+	if (l == NULL) {
+		snprintf(err, errlen, "out of memory");
+		dlclose(h);
+		return -1;
+	}
+	l->h = h;
+#define SYM(f, name, req)                                                      \
+	do {                                                                       \
+		*(void **)&l->f = dlsym(h, name);                                      \
+		if (l->f == NULL && (req)) {                                           \
+			snprintf(err, errlen, "%s: symbol %s not found", path, name);      \
+			free(l);                                                           \
+			dlclose(h);                                                        \
+			return -1;                                                         \
+		}                                                                      \
+	} while (0)
+	SYM(Init, "cuInit", 1);
+	SYM(DeviceGetCount, "cuDeviceGetCount", 1);
+	SYM(DeviceGet, "cuDeviceGet", 1);
+	SYM(DeviceGetName, "cuDeviceGetName", 1);
+	SYM(DeviceGetPCIBusId, "cuDeviceGetPCIBusId", 1);
+	SYM(DeviceTotalMem, "cuDeviceTotalMem_v2", 1);
+	SYM(PrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 1);
+	SYM(PrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", 1);
+	SYM(CtxSetCurrent, "cuCtxSetCurrent", 1);
+	SYM(PointerGetAttributes, "cuPointerGetAttributes", 1);
+	SYM(MemGetAddressRange, "cuMemGetAddressRange_v2", 1);
+	SYM(MemAlloc, "cuMemAlloc_v2", 1);
+	SYM(MemFree, "cuMemFree_v2", 1);
+	SYM(MemHostRegister, "cuMemHostRegister_v2", 1);
+	SYM(MemHostUnregister, "cuMemHostUnregister", 1);
+	SYM(MemcpyHtoD, "cuMemcpyHtoD_v2", 1);
+	SYM(MemcpyDtoH, "cuMemcpyDtoH_v2", 1);
+	SYM(MemcpyDtoD, "cuMemcpyDtoD_v2", 1);
+	SYM(GetHandle, "cuMemGetHandleForAddressRange", 0); // CUDA 11.7+
+	SYM(GetErrorString, "cuGetErrorString", 1);
+#undef SYM
+	int i = __atomic_fetch_add(&nkept, 1, __ATOMIC_RELAXED);
+	if (i < 8)
+		kept[i] = l;
+	*out = l;
+	return 0;
+}
+
+int kvfc_init(kvfc_lib *l) { return l->Init(0); }
+
+int kvfc_device_count(kvfc_lib *l, int *n) { return l->DeviceGetCount(n); }
+
+int kvfc_device_info(kvfc_lib *l, int ordinal, char *name, int namelen, char *bus, int buslen, uint64_t *mem) {
+	CUdevice d;
+	CUresult r = l->DeviceGet(&d, ordinal);
+	if (r)
+		return r;
+	if ((r = l->DeviceGetName(name, namelen, d)))
+		return r;
+	if ((r = l->DeviceGetPCIBusId(bus, buslen, d)))
+		return r;
+	size_t m = 0;
+	r = l->DeviceTotalMem(&m, d);
+	*mem = m;
+	return r;
+}
+
+// current makes ordinal's retained primary context current on this thread.
+static CUresult current(kvfc_lib *l, int ordinal) {
+	if (ordinal < 0 || ordinal >= MAXDEV || l->ctx[ordinal] == NULL)
+		return CUDA_ERROR_INVALID_DEVICE;
+	return l->CtxSetCurrent(l->ctx[ordinal]);
+}
+
+int kvfc_pointer(kvfc_lib *l, uint64_t addr, int *ordinal, uint64_t *base, uint64_t *size) {
+	// cuPointerGetAttributes needs no current context and answers host
+	// memory with type 0 instead of an error.
+	int attrs[2] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
+	unsigned type = 0;
+	int ord = -1;
+	void *data[2] = {&type, &ord};
+	*ordinal = -1;
+	*base = 0;
+	*size = 0;
+	CUresult r = l->PointerGetAttributes(2, attrs, data, (CUdeviceptr)addr);
+	if (r || type != CU_MEMORYTYPE_DEVICE)
+		return r == CUDA_ERROR_INVALID_VALUE ? 0 : r;
+	*ordinal = ord;
+	// The range query wants the allocation's context current: the
+	// caller's memory lives there, so that context exists already.
+	if ((r = current(l, ord)))
+		return r;
+	CUdeviceptr b = 0;
+	size_t s = 0;
+	if ((r = l->MemGetAddressRange(&b, &s, (CUdeviceptr)addr)))
+		return r;
+	*base = b;
+	*size = s;
+	return 0;
+}
+
+int kvfc_retain(kvfc_lib *l, int ordinal) {
+	if (ordinal < 0 || ordinal >= MAXDEV)
+		return CUDA_ERROR_INVALID_DEVICE;
+	if (l->ctx[ordinal] != NULL)
+		return 0;
+	CUdevice d;
+	CUresult r = l->DeviceGet(&d, ordinal);
+	if (r)
+		return r;
+	CUcontext c = NULL;
+	if ((r = l->PrimaryCtxRetain(&c, d)))
+		return r;
+	l->ctx[ordinal] = c;
+	return 0;
+}
+
+int kvfc_release(kvfc_lib *l, int ordinal) {
+	if (ordinal < 0 || ordinal >= MAXDEV || l->ctx[ordinal] == NULL)
+		return 0;
+	CUdevice d;
+	CUresult r = l->DeviceGet(&d, ordinal);
+	if (r)
+		return r;
+	l->ctx[ordinal] = NULL;
+	return l->PrimaryCtxRelease(d);
+}
+
+int kvfc_alloc(kvfc_lib *l, int ordinal, uint64_t n, uint64_t *ptr) {
+	CUresult r = current(l, ordinal);
+	if (r)
+		return r;
+	CUdeviceptr p = 0;
+	r = l->MemAlloc(&p, n);
+	*ptr = p;
+	return r;
+}
+
+int kvfc_free(kvfc_lib *l, int ordinal, uint64_t ptr) {
+	CUresult r = current(l, ordinal);
+	return r ? r : l->MemFree(ptr);
+}
+
+int kvfc_host_register(kvfc_lib *l, int ordinal, void *p, uint64_t n) {
+	CUresult r = current(l, ordinal);
+	return r ? r : l->MemHostRegister(p, n, 0);
+}
+
+int kvfc_host_unregister(kvfc_lib *l, int ordinal, void *p) {
+	CUresult r = current(l, ordinal);
+	return r ? r : l->MemHostUnregister(p);
+}
+
+int kvfc_copy(kvfc_lib *l, int ordinal, int kind, uint64_t dst, uint64_t src, uint64_t n) {
+	CUresult r = current(l, ordinal);
+	if (r)
+		return r;
+	switch (kind) {
+	case 1:
+		return l->MemcpyHtoD(dst, (const void *)(uintptr_t)src, n);
+	case 2:
+		return l->MemcpyDtoH((void *)(uintptr_t)dst, src, n);
+	case 3:
+		return l->MemcpyDtoD(dst, src, n);
+	}
+	return CUDA_ERROR_INVALID_VALUE;
+}
+
+int kvfc_dmabuf(kvfc_lib *l, int ordinal, uint64_t ptr, uint64_t n, int *fd) {
+	if (l->GetHandle == NULL)
+		return 801; // CUDA_ERROR_NOT_SUPPORTED
+	CUresult r = current(l, ordinal);
+	if (r)
+		return r;
+	*fd = -1;
+	return l->GetHandle(fd, ptr, n, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
+}
+
+const char *kvfc_error_string(kvfc_lib *l, int result) {
+	const char *s = NULL;
+	if (l->GetErrorString(result, &s) || s == NULL)
+		return "unknown CUDA error";
+	return s;
+}
+
+long kvfc_stat(kvfc_lib *l, const char *sym, const char *what) {
+	long (*f)(const char *) = NULL;
+	*(void **)&f = dlsym(l->h, sym);
+	return f ? f(what) : -1;
+}
+
+int kvfc_control(kvfc_lib *l, const char *sym, const char *cmd) {
+	int (*f)(const char *) = NULL;
+	*(void **)&f = dlsym(l->h, sym);
+	if (f == NULL)
+		return -2;
+	return f(cmd);
+}
