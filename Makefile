@@ -28,7 +28,7 @@ run: build
 	$(BIN)/kvferry-bench --mode loopback --op write --block-size 1048576 --threads 4 --duration 5
 	$(BIN)/kvferry-bench --mode loopback --op read --block-size 1048576 --threads 4 --duration 5
 
-test: deps fmt-check vet test-fakeverbs test-go test-race fuzz-short test-c test-python
+test: deps fmt-check vet test-fakeverbs test-fakecuda test-go test-race fuzz-short test-c test-python
 	@echo "make test: all passed"
 
 fmt-check:
@@ -40,10 +40,10 @@ vet:
 
 # The rdma tests load the fake libibverbs; it is built first so that test
 # packages running in parallel find it rather than each building it.
-test-go: fakeverbs
+test-go: fakeverbs fakecuda
 	$(GO) test -count=1 -timeout 15m ./...
 
-test-race: fakeverbs
+test-race: fakeverbs fakecuda
 	$(GO) test -race -short -count=1 -timeout 15m ./...
 
 # Each fuzz target for FUZZTIME executions, from its committed seed corpus.

@@ -1,4 +1,5 @@
-// Package fakeverbs finds, building it when needed, the fake libibverbs of
+// Package fakeverbs finds, building them when needed, the fake libibverbs of
+// tests/fakeverbs and the fake libcuda of tests/fakecuda (CUDAPath). The first is the one of
 // tests/fakeverbs for tests of the rdma code on machines without an RDMA
 // NIC (every CI machine). The fake is a C library with libibverbs' ABI that
 // the real loader opens; its NICs live in shared memory (see its README).
