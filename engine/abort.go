@@ -329,9 +329,24 @@ func (e *Engine) handleAbortAck(from string, body []byte) (control.MsgType, []by
 }
 
 // needDrainedAcks reports whether ACKs must promise a drain: only where the
-// fence rests on them. Where refusal fences, an ACK after a cut path is as
-// good as any for learning that the initiator stopped.
-func (e *Engine) needDrainedAcks() bool { return !e.ownerCopiesAll() }
+// fence rests on them, that is where a transport serving peers neither
+// copies bytes in the owner's code nor fences by itself. Where refusal or
+// the owner's QP fence fences, an ACK after a cut path is as good as any
+// for learning that the initiator stopped.
+func (e *Engine) needDrainedAcks() bool {
+	for _, t := range e.servers() {
+		if c, ok := t.(transport.OwnerCopier); ok && c.OwnerCopies() {
+			continue
+		}
+		if _, ok := t.(transport.Fencer); ok {
+			if fe, ok := t.(interface{ FenceEnabled() bool }); !ok || fe.FenceEnabled() {
+				continue
+			}
+		}
+		return true
+	}
+	return false
+}
 
 func (e *Engine) controlMalformed(what, from string, err error) {
 	e.stats.controlDropped.Add(1)

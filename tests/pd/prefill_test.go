@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
 // The test binary runs itself as the prefill process when roleEnv is set;
@@ -28,13 +29,20 @@ const (
 	pathsEnv   = "KVFERRY_PD_PATHS"   // Options.PathsPerPeer
 	workersEnv = "KVFERRY_PD_WORKERS" // requests written at once
 	srcEnv     = "KVFERRY_PD_SRC"     // source bytes per worker (the largest request)
+	rdmaEnv    = "KVFERRY_PD_RDMA"    // the fake libibverbs: Options.Protocol "rdma" over it; unset: tcp
+	noFenceEnv = "KVFERRY_PD_NOFENCE" // "1": Options.RDMANoFence
 )
 
 func TestMain(m *testing.M) {
 	if os.Getenv(roleEnv) == "prefill" {
-		os.Exit(runPrefill())
+		os.Exit(runPrefill()) // on the fake fabric of the parent, which it inherits
 	}
-	os.Exit(m.Run())
+	// Before anything loads the fake libibverbs: the rdma tests' processes
+	// share a fake fabric of this process's own (the tcp tests never load it).
+	cleanup := fakeverbs.UseFabric()
+	code := m.Run()
+	cleanup()
+	os.Exit(code)
 }
 
 // prefillConfig configures the prefill process.
@@ -42,6 +50,8 @@ type prefillConfig struct {
 	unsafe           bool
 	slice, paths     int
 	workers, srcSize int
+	rdma             string // the fake libibverbs to write over rdma with; "": tcp
+	noFence          bool   // Options.RDMANoFence
 }
 
 func (c prefillConfig) env() []string {
@@ -49,8 +59,23 @@ func (c prefillConfig) env() []string {
 	if c.unsafe {
 		u = "1"
 	}
+	nf := "0"
+	if c.noFence {
+		nf = "1"
+	}
 	return []string{roleEnv + "=prefill", unsafeEnv + "=" + u, sliceEnv + "=" + strconv.Itoa(c.slice),
-		pathsEnv + "=" + strconv.Itoa(c.paths), workersEnv + "=" + strconv.Itoa(c.workers), srcEnv + "=" + strconv.Itoa(c.srcSize)}
+		pathsEnv + "=" + strconv.Itoa(c.paths), workersEnv + "=" + strconv.Itoa(c.workers), srcEnv + "=" + strconv.Itoa(c.srcSize),
+		rdmaEnv + "=" + c.rdma, noFenceEnv + "=" + nf}
+}
+
+// options are the engine options of an end that writes or serves over
+// c's transport (decode's too: both ends must speak rdma).
+func (c prefillConfig) options() engine.Options {
+	o := engine.Options{IgnoreEnv: true}
+	if c.rdma != "" {
+		o.Protocol, o.RDMALibrary, o.RDMANoFence = "rdma", c.rdma, c.noFence
+	}
+	return o
 }
 
 // job is one "request" line.
@@ -119,11 +144,12 @@ func processFDs() (int, []string, error) {
 	return len(ents) - 1, names, nil
 }
 
-// warmUp starts and closes an engine, so that what the runtime and libzmq
-// create once per process (the netpoller's descriptors, ...) exists before a
-// leak check takes its baseline.
-func warmUp() error {
-	e, err := engine.New(engine.Options{IgnoreEnv: true})
+// warmUp starts and closes an engine with options o, so that what the
+// runtime, libzmq and (over rdma) the loaded libibverbs create once per
+// process (the netpoller's descriptors, ...) exists before a leak check
+// takes its baseline.
+func warmUp(o engine.Options) error {
+	e, err := engine.New(o)
 	if err != nil {
 		return err
 	}
@@ -160,11 +186,12 @@ func runPrefill() int {
 		return n
 	}
 	cfg := prefillConfig{unsafe: os.Getenv(unsafeEnv) == "1", slice: num(sliceEnv), paths: num(pathsEnv),
-		workers: num(workersEnv), srcSize: num(srcEnv)}
+		workers: num(workersEnv), srcSize: num(srcEnv), rdma: os.Getenv(rdmaEnv), noFence: os.Getenv(noFenceEnv) == "1"}
 	if cfg.slice <= 0 || cfg.paths <= 0 || cfg.workers <= 0 || cfg.srcSize <= 0 {
 		return fail("bad configuration %+v", cfg)
 	}
-	if err := warmUp(); err != nil {
+	opts := cfg.options()
+	if err := warmUp(opts); err != nil {
 		return fail("warm-up engine: %v", err)
 	}
 	g0 := runtime.NumGoroutine()
@@ -173,8 +200,8 @@ func runPrefill() int {
 		return fail("%v", err)
 	}
 
-	e, err := engine.New(engine.Options{IgnoreEnv: true, SliceSize: cfg.slice, PathsPerPeer: cfg.paths,
-		Testing: engine.Testing{UnsafeAbort: cfg.unsafe}})
+	opts.SliceSize, opts.PathsPerPeer, opts.Testing.UnsafeAbort = cfg.slice, cfg.paths, cfg.unsafe
+	e, err := engine.New(opts)
 	if err != nil {
 		return fail("new engine: %v", err)
 	}
@@ -249,9 +276,9 @@ func runPrefill() int {
 		return fail("free: %v", err)
 	}
 	g, fds := settled(g0, f0, 2*time.Second)
-	out.printf("bye completed=%d failed=%d inflight=%d tasks_aborted=%d aborts_received=%d abort_events=%d other_events=%d events_dropped=%d goroutines_before=%d goroutines_after=%d fds_before=%d fds_after=%d",
+	out.printf("bye completed=%d failed=%d inflight=%d tasks_aborted=%d aborts_received=%d abort_events=%d other_events=%d events_dropped=%d goroutines_before=%d goroutines_after=%d fds_before=%d fds_after=%d rdma_wrs=%d rdma_error_wcs=%d rdma_failovers=%d retries=%d",
 		st.TasksCompleted, st.TasksFailed, st.TasksInFlight, st.TasksAborted, st.AbortsReceived, abortEvents, otherEvents,
-		st.EventsDropped, g0, g, f0, fds)
+		st.EventsDropped, g0, g, f0, fds, st.RDMAWorkRequests, st.RDMAErrorWCs, st.RDMAFailovers, st.Retries)
 	return 0
 }
 

@@ -18,7 +18,7 @@ import (
 const (
 	maxPairsPerEndpoint = 16
 	maxMessage          = 1 << 30 // bytes per work request
-	maxReposts          = 3       // failovers of one slice inside the endpoint
+	maxReposts          = 8       // failovers of one slice inside the endpoint (each owner fence costs one)
 	noPathTimeout       = 5 * time.Second
 	abortFlushTimeout   = 5 * time.Second
 )
@@ -351,6 +351,10 @@ func (e *Endpoint) sender() {
 			e.mu.Unlock()
 			return
 		}
+		if !e.awaitPathLocked() {
+			e.mu.Unlock()
+			continue
+		}
 		batch := e.queue
 		if len(batch) > 256 {
 			batch = batch[:256]
@@ -359,6 +363,32 @@ func (e *Endpoint) sender() {
 		e.mu.Unlock()
 		e.postBatch(batch)
 	}
+}
+
+// awaitPathLocked waits, with no slice taken from the queue, until a pair
+// is healthy; it reports false when the endpoint died meanwhile. With none
+// reconnected within noPathTimeout the endpoint is aborted: its slices
+// fail with a retryable error and the engine dials a fresh path. Called
+// and returns with mu held.
+func (e *Endpoint) awaitPathLocked() bool {
+	var since time.Time
+	for !e.dead {
+		for _, p := range e.pairs {
+			if p.healthy {
+				return true
+			}
+		}
+		if since.IsZero() {
+			since = time.Now()
+		}
+		if time.Since(since) > noPathTimeout {
+			go e.Abort(errors.New("no NIC path reconnected in time"))
+			e.waitCond(10 * time.Millisecond)
+			continue
+		}
+		e.waitCond(50 * time.Millisecond)
+	}
+	return false
 }
 
 // plan is one work request to post.
@@ -375,13 +405,22 @@ func (e *Endpoint) postBatch(batch []*wslice) {
 		if w.s.State() != transport.StateQueued && w.s.State() != transport.StateActive {
 			continue // canceled meanwhile
 		}
-		if w.reposts == 0 && !w.s.Advance(transport.StateQueued, transport.StateActive) {
+		// Queued slices (new or waiting to be posted again) only: the
+		// engine may cancel a queued one (its task aborted), and then
+		// it is not ours to touch.
+		if !w.s.Advance(transport.StateQueued, transport.StateActive) {
 			continue
 		}
 		p, plans, err := e.planSlice(w)
 		if err == nil && p == nil {
-			// No path: the endpoint died while the slice waited for one.
-			err = e.deathErr()
+			if e.Dead() {
+				err = e.deathErr()
+			} else {
+				// Every pair broke meanwhile: wait in the queue, where
+				// an abort of its task can still cancel it.
+				e.requeueOne(w)
+				continue
+			}
 		}
 		if err != nil {
 			e.finish(w, err)
@@ -494,8 +533,7 @@ func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, error) {
 }
 
 // pick chooses a healthy pair by the NIC preference of both ends' memory,
-// rotating among equally good ones. With none healthy it waits for a
-// reconnect, up to noPathTimeout; then the slice fails (retryable).
+// rotating among equally good ones; nil when none is healthy.
 func (e *Endpoint) pick(s *transport.Slice, kr *keysReply) *pair {
 	localLoc := "cpu"
 	if s.LocalReg != nil && s.LocalReg.Location != "" {
@@ -518,45 +556,29 @@ func (e *Endpoint) pick(s *transport.Slice, kr *keysReply) *pair {
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for {
-		if e.dead {
-			return nil
-		}
-		best, bestScore, ties := -1, 1<<30, 0
-		for i, p := range e.pairs {
-			if !p.healthy {
-				continue
-			}
-			sc := lrank[p.nic.Index] + rrank[p.remote]
-			if sc < bestScore {
-				best, bestScore, ties = i, sc, 1
-			} else if sc == bestScore {
-				ties++
-				if (e.rr % ties) == 0 {
-					best = i
-				}
-			}
-		}
-		if best >= 0 {
-			e.rr++
-			e.noPath = time.Time{}
-			return e.pairs[best]
-		}
-		if e.noPath.IsZero() {
-			e.noPath = time.Now()
-		}
-		if time.Since(e.noPath) > noPathTimeout {
-			go e.Abort(errors.New("no NIC path reconnected in time"))
-			return nil
-		}
-		t := time.AfterFunc(50*time.Millisecond, func() {
-			e.mu.Lock()
-			e.cond.Broadcast()
-			e.mu.Unlock()
-		})
-		e.cond.Wait()
-		t.Stop()
+	if e.dead {
+		return nil
 	}
+	best, bestScore, ties := -1, 1<<30, 0
+	for i, p := range e.pairs {
+		if !p.healthy {
+			continue
+		}
+		sc := lrank[p.nic.Index] + rrank[p.remote]
+		if sc < bestScore {
+			best, bestScore, ties = i, sc, 1
+		} else if sc == bestScore {
+			ties++
+			if (e.rr % ties) == 0 {
+				best = i
+			}
+		}
+	}
+	if best < 0 {
+		return nil
+	}
+	e.rr++
+	return e.pairs[best]
 }
 
 // postOn posts plans on p, waiting for room in its send queue and its
@@ -849,6 +871,9 @@ func (e *Endpoint) requeueOne(w *wslice) {
 		return
 	}
 	w.reposts++
+	// Back to Queued: while it waits for a path, an abort of its task
+	// cancels it (Slice.TryCancel) instead of waiting for it.
+	w.s.Advance(transport.StateActive, transport.StateQueued)
 	e.queue = append(e.queue, w)
 	e.cond.Broadcast()
 	e.mu.Unlock()

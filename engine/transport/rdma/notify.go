@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine/memory"
+	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/verbs"
 )
 
@@ -202,7 +203,7 @@ func (e *Endpoint) Notify(ctx context.Context, requestID uint64, data []byte) er
 			busy = true
 		}
 		for _, w := range e.queue {
-			if w.s.RequestID == requestID {
+			if st := w.s.State(); w.s.RequestID == requestID && (st == transport.StateQueued || st == transport.StateActive) {
 				busy = true
 			}
 		}
@@ -284,7 +285,7 @@ func (e *Endpoint) Quiet(ctx context.Context, requestID uint64) error {
 			busy = true
 		}
 		for _, w := range e.queue {
-			if w.s.RequestID == requestID {
+			if st := w.s.State(); w.s.RequestID == requestID && (st == transport.StateQueued || st == transport.StateActive) {
 				busy = true
 			}
 		}
