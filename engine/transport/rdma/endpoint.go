@@ -18,9 +18,14 @@ import (
 const (
 	maxPairsPerEndpoint = 16
 	maxMessage          = 1 << 30 // bytes per work request
-	maxReposts          = 8       // failovers of one slice inside the endpoint (each owner fence costs one)
-	noPathTimeout       = 5 * time.Second
-	abortFlushTimeout   = 5 * time.Second
+	// A slice is posted again on another pair for as long as repostWindow
+	// after its first failure: every owner fence fails the initiator's
+	// work on the fenced QPs, so under frequent aborts a healthy slice may
+	// need many tries; a dead peer ends it by noPathTimeout anyway.
+	repostWindow      = 30 * time.Second
+	maxReposts        = 10000
+	noPathTimeout     = 5 * time.Second
+	abortFlushTimeout = 5 * time.Second
 )
 
 // pair is one RC connection from a local NIC to an owner NIC.
@@ -43,6 +48,7 @@ type wslice struct {
 	final     error // a final error: refusal or local failure
 	repost    bool  // a path failed under it: post it again elsewhere
 	reposts   int
+	firstFail time.Time // when a path first failed under it
 }
 
 // reqTrack counts, per request id, the work requests on the wire, for
@@ -684,6 +690,9 @@ func (e *Endpoint) unpostLocked(plans []plan) {
 	for _, pl := range plans {
 		pl.ws.remaining--
 		pl.ws.repost = true
+		if pl.ws.firstFail.IsZero() {
+			pl.ws.firstFail = time.Now()
+		}
 		if r := e.reqs[pl.ws.s.RequestID]; r != nil {
 			r.inflight--
 		}
@@ -825,6 +834,9 @@ func (e *Endpoint) completed(c *wrCtx, status uint32, text string) {
 				}
 			} else {
 				w.repost = true
+				if w.firstFail.IsZero() {
+					w.firstFail = time.Now()
+				}
 			}
 		}
 		e.breakPair(p, err)
@@ -835,7 +847,7 @@ func (e *Endpoint) completed(c *wrCtx, status uint32, text string) {
 		switch {
 		case w.final != nil:
 			end, ferr = true, w.final
-		case w.repost && (e.dead || w.reposts >= maxReposts):
+		case w.repost && (e.dead || w.reposts >= maxReposts || time.Since(w.firstFail) > repostWindow):
 			end, ferr = true, fmt.Errorf("rdma path to %s: %w: failed on %d NIC paths", e.peer, transport.ErrConnection, w.reposts+1)
 		case w.repost:
 			w.repost = false
@@ -871,6 +883,9 @@ func (e *Endpoint) requeueOne(w *wslice) {
 		return
 	}
 	w.reposts++
+	if w.firstFail.IsZero() {
+		w.firstFail = time.Now()
+	}
 	// Back to Queued: while it waits for a path, an abort of its task
 	// cancels it (Slice.TryCancel) instead of waiting for it.
 	w.s.Advance(transport.StateActive, transport.StateQueued)
