@@ -142,6 +142,7 @@ type sliceT struct {
 	attempts int
 	hint     uint32
 	path     atomic.Pointer[pathRef]
+	stage    *initStage // host staging of GPU memory on a path without DirectGPU
 }
 
 // AllocateBatch returns a batch for up to capacity requests.
@@ -404,7 +405,7 @@ func (b *Batch) post(ctx context.Context, tasks []*task, sl *slab) {
 			}
 		}
 		if err == nil {
-			ref.ep.Post(slices)
+			b.e.postStaged(ref, slices)
 		}
 	}
 }
@@ -469,10 +470,11 @@ func (s *sliceT) retry() {
 		return
 	}
 	s.path.Store(ref)
-	ref.ep.Post([]*transport.Slice{&s.Slice})
+	t.b.e.postStaged(ref, []*transport.Slice{&s.Slice})
 }
 
 func (t *task) sliceEnded(s *sliceT, err error) {
+	err = t.b.e.unstage(s, err)
 	if err == nil {
 		t.transferred.Add(uint64(len(s.Local)))
 	} else {

@@ -100,6 +100,8 @@ type Engine struct {
 	protoMu   sync.Mutex
 	protoSaid map[string]string // peer -> transport chosen, logged once
 
+	gpu gpu // the CUDA driver, opened on first use of GPU memory
+
 	evMu     sync.Mutex
 	events   chan Event
 	evClosed bool
@@ -257,6 +259,7 @@ func (e *Engine) Close() error {
 	close(e.closed)
 	e.bg.Wait()
 	e.closeEvents()
+	e.freeStages()
 	e.log.Debug("kvferry: engine closed", "segment", e.Name())
 	return errors.Join(errs...)
 }

@@ -45,7 +45,7 @@ func (e *Engine) RegisterMemoryBatch(ranges []MemoryRange) ([]BufferKey, error) 
 	}
 	rs := make([]memory.Range, len(ranges))
 	for i, r := range ranges {
-		loc, err := resolveLocation(r.Location, r.Mem)
+		loc, err := e.location(r.Location, r.Mem)
 		if err != nil {
 			return nil, fmt.Errorf("register memory: range %d at %#x: %w", i, memory.AddrOf(r.Mem), err)
 		}
@@ -63,8 +63,21 @@ func (e *Engine) RegisterMemoryBatch(ranges []MemoryRange) ([]BufferKey, error) 
 	return keys, nil
 }
 
-// resolveLocation validates a location and turns "*" into what the memory
-// is.
+// location validates a location and turns "*" into what the memory is:
+// GPU memory is asked of the CUDA driver (when it loads), then host memory
+// of its NUMA node.
+func (e *Engine) location(loc string, mem []byte) (string, error) {
+	if len(loc) <= control.MaxLocation && (loc == "*" || strings.HasPrefix(loc, "cuda:")) {
+		g, err := e.gpuLocation(loc, mem)
+		if err != nil || g != "" {
+			return g, err
+		}
+	}
+	return resolveLocation(loc, mem)
+}
+
+// resolveLocation validates a host location and turns "*" into what the
+// memory is.
 func resolveLocation(loc string, mem []byte) (string, error) {
 	if len(loc) > control.MaxLocation {
 		return "", fmt.Errorf("%w: location of %d bytes (at most %d)", ErrInvalidArg, len(loc), control.MaxLocation)
@@ -82,8 +95,6 @@ func resolveLocation(loc string, mem []byte) (string, error) {
 			return "", fmt.Errorf("%w: location %q: want cpu:N with N a NUMA node", ErrInvalidArg, loc)
 		}
 		return loc, nil
-	case strings.HasPrefix(loc, "cuda:"):
-		return "", fmt.Errorf("location %q: %w: GPU memory needs the cuda layer", loc, ErrUnsupported)
 	}
 	return "", fmt.Errorf("%w: location %q: want cpu, cpu:N or *", ErrInvalidArg, loc)
 }
@@ -158,11 +169,11 @@ func (e *Engine) Admit(a transport.Access) (transport.Target, error) {
 		return transport.Target{}, err
 	}
 	if a.RequestID == 0 || e.opts.Testing.UnsafeAbort {
-		return transport.Target{Guard: r, Mem: r.Bytes(a.Addr, a.Length)}, nil
+		return e.stageTarget(transport.Target{Guard: r, Mem: r.Bytes(a.Addr, a.Length)}, r, &a)
 	}
 	g, err := e.reqs.Admit(&a, r)
 	if err != nil {
 		return transport.Target{}, err
 	}
-	return transport.Target{Guard: g, Mem: r.Bytes(a.Addr, a.Length)}, nil
+	return e.stageTarget(transport.Target{Guard: g, Mem: r.Bytes(a.Addr, a.Length)}, r, &a)
 }

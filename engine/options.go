@@ -21,6 +21,7 @@ import (
 //	RDMALibrary        KVFERRY_IBVERBS_LIBRARY      libibverbs.so.1
 //	RDMADevices        KVFERRY_RDMA_DEVICES         "" (every active port)
 //	RDMANoFence        KVFERRY_RDMA_FENCE=0         false (the owner-side QP fence is on)
+//	CUDALibrary        KVFERRY_CUDA_LIBRARY         libcuda.so.1 (loaded on first use of GPU memory)
 //	SliceSize          KVFERRY_SLICE_SIZE           1 MiB
 //	PathsPerPeer       KVFERRY_PATHS_PER_PEER       4
 //	MaxRetries         KVFERRY_MAX_RETRIES          2
@@ -58,6 +59,9 @@ type Options struct {
 	// a drained ABORT_ACK. With the fence (the default) the owner moves
 	// the initiators' QPs to the error state and needs no ACK.
 	RDMANoFence bool
+	// CUDALibrary is the CUDA driver loaded, at run time, the first time
+	// GPU memory is registered ("cuda:N", or "*" to detect).
+	CUDALibrary string
 	// SliceSize is the largest piece a request is cut into; slices of
 	// one request travel on several paths at once.
 	SliceSize int
@@ -166,6 +170,7 @@ func (o *Options) applyEnv() error {
 	str("KVFERRY_PROTOCOL", &o.Protocol)
 	str("KVFERRY_IBVERBS_LIBRARY", &o.RDMALibrary)
 	str("KVFERRY_RDMA_DEVICES", &o.RDMADevices)
+	str("KVFERRY_CUDA_LIBRARY", &o.CUDALibrary)
 	if v, ok := os.LookupEnv("KVFERRY_RDMA_FENCE"); ok && v != "" {
 		on, err := strconv.ParseBool(v)
 		if err != nil {

@@ -15,7 +15,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
+	"github.com/kvferry/kvferry/cuda"
 	"github.com/kvferry/kvferry/engine"
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
@@ -26,6 +28,7 @@ const (
 	sizeEnv     = "KVFERRY_TEST_SIZE"     // bytes of the target's buffer
 	seedEnv     = "KVFERRY_TEST_SEED"     // fill the buffer with fillPattern(seed)
 	progressEnv = "KVFERRY_TEST_PROGRESS" // print "progress N" once peers moved N bytes
+	cudaEnv     = "KVFERRY_TEST_CUDA"     // the buffer is GPU memory of this (fake) libcuda's device 0
 )
 
 func TestMain(m *testing.M) {
@@ -59,20 +62,49 @@ func runHelper(mode string) int {
 			return fail("%s=%q", progressEnv, v)
 		}
 	}
-	e, err := engine.New(engine.Options{IgnoreEnv: true})
+	cudaLib := os.Getenv(cudaEnv)
+	e, err := engine.New(engine.Options{IgnoreEnv: true, CUDALibrary: cudaLib})
 	if err != nil {
 		return fail("new engine: %v", err)
 	}
-	buf, err := e.AllocBuffer(size, "cpu")
-	if err != nil {
-		return fail("alloc: %v", err)
-	}
-	if v := os.Getenv(seedEnv); v != "" {
-		seed, err := strconv.ParseUint(v, 10, 64)
-		if err != nil {
-			return fail("%s=%q", seedEnv, v)
+	var buf []byte
+	freeGPU := func() {}
+	if cudaLib != "" {
+		// GPU memory of device 0 of the (fake) driver, registered as
+		// cuda:0 and filled through the driver.
+		var drv *cuda.Driver
+		if drv, err = cuda.Open(cudaLib); err == nil {
+			if err = drv.Use(0); err == nil {
+				var p uint64
+				if p, err = drv.Alloc(0, uint64(size)); err == nil {
+					buf = unsafe.Slice((*byte)(unsafe.Add(nil, uintptr(p))), size)
+					freeGPU = func() { _ = drv.Free(0, p) }
+					_, err = e.RegisterMemory(buf, "cuda:0")
+				}
+			}
 		}
-		fillPattern(buf, seed)
+		if err != nil {
+			return fail("GPU buffer: %v", err)
+		}
+		if v := os.Getenv(seedEnv); v != "" {
+			seed, _ := strconv.ParseUint(v, 10, 64)
+			host := make([]byte, size)
+			fillPattern(host, seed)
+			if err := drv.Copy(0, cuda.HostToDevice, engine.AddrOf(buf), engine.AddrOf(host), uint64(size)); err != nil {
+				return fail("fill GPU buffer: %v", err)
+			}
+		}
+	} else {
+		if buf, err = e.AllocBuffer(size, "cpu"); err != nil {
+			return fail("alloc: %v", err)
+		}
+		if v := os.Getenv(seedEnv); v != "" {
+			seed, err := strconv.ParseUint(v, 10, 64)
+			if err != nil {
+				return fail("%s=%q", seedEnv, v)
+			}
+			fillPattern(buf, seed)
+		}
 	}
 	fmt.Printf("%s %d %d\n", e.Name(), engine.AddrOf(buf), len(buf))
 	if progress > 0 {
@@ -91,6 +123,10 @@ func runHelper(mode string) int {
 	if err := e.Close(); err != nil {
 		return fail("close: %v", err)
 	}
+	if cudaLib != "" {
+		freeGPU()
+		return 0
+	}
 	if err := e.FreeBuffer(engine.AddrOf(buf)); err != nil {
 		return fail("free: %v", err)
 	}
@@ -107,6 +143,7 @@ type target struct {
 }
 
 type targetConfig struct {
+	cuda     string // a libcuda: the target's buffer is its device 0's memory
 	size     int
 	seed     uint64 // 0: leave the buffer as mapped (zeros)
 	progress uint64 // 0: no progress line
@@ -127,6 +164,9 @@ func startTarget(t *testing.T, cfg targetConfig) *target {
 	}
 	if cfg.progress != 0 {
 		cmd.Env = append(cmd.Env, progressEnv+"="+strconv.FormatUint(cfg.progress, 10))
+	}
+	if cfg.cuda != "" {
+		cmd.Env = append(cmd.Env, cudaEnv+"="+cfg.cuda)
 	}
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()

@@ -96,6 +96,27 @@ type Guard interface {
 type Target struct {
 	Guard Guard
 	Mem   []byte
+	// Stage is set when the owner memory is not host memory (GPU):
+	// Mem is then a host staging buffer, and the transport calls
+	// Stage.Fill before sending Mem (READ) and Stage.Flush once a WRITE's
+	// payload is all in Mem, each inside Guard, and Stage.Release once it
+	// no longer uses Mem.
+	Stage Stage
+}
+
+// Stage moves bytes between a target's staging buffer and owner memory the
+// transport cannot touch directly (GPU memory); see Target.
+type Stage interface {
+	Fill() error  // owner memory -> Mem
+	Flush() error // Mem -> owner memory
+	Release()
+}
+
+// DirectGPU is an optional ability of endpoints that move GPU memory
+// without host staging (rdma with GPUDirect registration): the engine
+// stages GPU slices through host memory for the others.
+type DirectGPU interface {
+	DirectGPU() bool
 }
 
 // Slice states. On a path a slice goes Queued -> Active -> Sent -> Done, a

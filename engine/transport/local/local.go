@@ -123,6 +123,21 @@ func (ep *endpoint) copy(s *transport.Slice) error {
 		return fmt.Errorf("%w: %w", transport.ErrRefused, err)
 	}
 	remote, g := tgt.Mem, tgt.Guard
+	if tgt.Stage != nil {
+		// GPU memory: through its host staging buffer, filled (READ) or
+		// flushed (WRITE) whole inside the guard.
+		defer tgt.Stage.Release()
+		if s.Op == transport.Read {
+			if err := g.Enter(); err != nil {
+				return fmt.Errorf("%w: %w", transport.ErrRefused, err)
+			}
+			err := tgt.Stage.Fill()
+			g.Leave()
+			if err != nil {
+				return fmt.Errorf("%w: staging copy: %w", transport.ErrRefused, err)
+			}
+		}
+	}
 	for off := 0; off < len(remote); off += ChunkSize {
 		if ep.dead.Load() {
 			return fmt.Errorf("local: %w: %w", transport.ErrConnection, ep.reason)
@@ -142,6 +157,16 @@ func (ep *endpoint) copy(s *transport.Slice) error {
 		}
 		s.LocalReg.Leave()
 		g.Leave()
+	}
+	if tgt.Stage != nil && s.Op == transport.Write {
+		if err := g.Enter(); err != nil {
+			return fmt.Errorf("%w: %w", transport.ErrRefused, err)
+		}
+		err := tgt.Stage.Flush()
+		g.Leave()
+		if err != nil {
+			return fmt.Errorf("%w: staging copy: %w", transport.ErrRefused, err)
+		}
 	}
 	return nil
 }

@@ -224,6 +224,10 @@ func (e *Endpoint) Post(slices []*transport.Slice) {
 	e.mu.Unlock()
 }
 
+// DirectGPU implements transport.DirectGPU: GPU memory is registered with
+// the NICs (dma-buf or nvidia-peermem) and moved without host staging.
+func (e *Endpoint) DirectGPU() bool { return true }
+
 // Dead implements transport.Endpoint.
 func (e *Endpoint) Dead() bool {
 	e.mu.Lock()

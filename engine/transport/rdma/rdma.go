@@ -658,10 +658,14 @@ func (t *Transport) serveKeys(from string, req *keysReq) ([]byte, error) {
 		// The owner admits the access as it would on tcp: key, range,
 		// request state and grants. Nothing is copied here; the target
 		// is dropped.
-		if _, err := t.owner.Admit(transport.Access{
+		tgt, err := t.owner.Admit(transport.Access{
 			Op: transport.Op(req.Op), Initiator: from, RequestID: req.RequestID, Generation: req.Generation,
 			GrantID: req.GrantID, Key: memory.Key(req.Key), Addr: req.Addr, Length: req.Len,
-		}); err != nil {
+		})
+		if err == nil && tgt.Stage != nil {
+			tgt.Stage.Release() // the NIC reaches GPU memory itself
+		}
+		if err != nil {
 			if errors.Is(err, transport.ErrAborted) {
 				return encodeKeysRefusal(keysAborted, err.Error()), nil
 			}

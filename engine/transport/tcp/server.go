@@ -189,6 +189,9 @@ func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 		c.answer(&ack, 0)
 		return c.flushIfFull()
 	}
+	if tgt.Stage != nil {
+		defer tgt.Stage.Release()
+	}
 	if t.opts.ApplyDelay > 0 {
 		time.Sleep(t.opts.ApplyDelay)
 	}
@@ -212,6 +215,23 @@ func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 		}
 		landed += n
 		c.inStart, c.inEnd = 0, tail
+	}
+	if tgt.Stage != nil {
+		// The payload is in host staging: it reaches owner (GPU) memory
+		// only whole and only inside the guard, so an abort either
+		// finds the copy done or stops it before it starts.
+		applied := 0
+		if refusal == nil && landed == len(tgt.Mem) {
+			if refusal = tgt.Guard.Enter(); refusal == nil {
+				if ferr := tgt.Stage.Flush(); ferr != nil {
+					refusal = fmt.Errorf("%w: staging copy: %w", transport.ErrRefused, ferr)
+				} else {
+					applied = landed
+				}
+				tgt.Guard.Leave()
+			}
+		}
+		landed = applied
 	}
 	t.stats.bytesIn.Add(uint64(landed))
 	ack.done = uint64(landed)
@@ -255,6 +275,12 @@ func (c *ownerConn) serveReads(first *header, initiator string) error {
 	}
 	iov := append(c.gatherIov[:0], c.answers)
 	guards := c.gatherGuards[:0]
+	var stages []transport.Stage
+	defer func() {
+		for _, st := range stages {
+			st.Release()
+		}
+	}()
 	frames := c.gatherFrames[:0] // never grows: 2 headers per READ at most
 	sent := 0
 	for i := range hs {
@@ -264,9 +290,10 @@ func (c *ownerConn) serveReads(first *header, initiator string) error {
 		done := header{typ: frameReadDone, seq: h.seq, requestID: h.requestID, generation: h.generation}
 		tgt, err := t.owner.Admit(a)
 		if err == nil {
-			if err = tgt.Guard.Enter(); err == nil {
-				tgt.Guard.Leave()
+			if tgt.Stage != nil {
+				stages = append(stages, tgt.Stage)
 			}
+			err = enterAndFill(tgt)
 		}
 		if err != nil {
 			done.status = statusOf(err)
@@ -300,6 +327,21 @@ func (c *ownerConn) serveReads(first *header, initiator string) error {
 	return nil
 }
 
+// enterAndFill checks a READ target's guard and, for staged (GPU) memory,
+// copies it into its staging buffer inside the guard.
+func enterAndFill(tgt transport.Target) error {
+	if err := tgt.Guard.Enter(); err != nil {
+		return err
+	}
+	defer tgt.Guard.Leave()
+	if tgt.Stage != nil {
+		if err := tgt.Stage.Fill(); err != nil {
+			return fmt.Errorf("%w: staging copy: %w", transport.ErrRefused, err)
+		}
+	}
+	return nil
+}
+
 // frameBytes encodes h.
 func frameBytes(h *header) []byte {
 	var b [HeaderSize]byte
@@ -321,16 +363,18 @@ func (c *ownerConn) serveRead(h *header, a *transport.Access) error {
 		c.answer(&done, 0)
 		return c.flushIfFull()
 	}
+	if tgt.Stage != nil {
+		defer tgt.Stage.Release()
+	}
 	// A refusal already in force costs a lone READ_DONE, not a frame of
 	// zeros: look before committing READ_DATA (the guard is checked again
 	// before each chunk).
-	if err := tgt.Guard.Enter(); err != nil {
+	if err := enterAndFill(tgt); err != nil {
 		done.status = statusOf(err)
 		t.stats.refused.Add(1)
 		c.answer(&done, 0)
 		return c.flushIfFull()
 	}
-	tgt.Guard.Leave()
 	c.answer(&header{typ: frameReadData, seq: h.seq, requestID: h.requestID, generation: h.generation, length: h.length}, 0)
 	// READ_DONE goes out in the payload's last syscall, so the initiator
 	// gets it with the data; after a refusal a READ_DONE saying so replaces

@@ -1,0 +1,295 @@
+package engine
+
+// GPU memory (locations "cuda:N"): detected and checked through the CUDA
+// driver (package cuda, loaded at run time), moved by rdma directly and by
+// tcp and the local transport through host staging buffers.
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+
+	"github.com/kvferry/kvferry/cuda"
+	"github.com/kvferry/kvferry/engine/memory"
+	"github.com/kvferry/kvferry/engine/transport"
+)
+
+// gpu is the engine's view of the CUDA driver, opened on first use.
+type gpu struct {
+	once sync.Once
+	drv  *cuda.Driver
+	err  error
+
+	poolMu sync.Mutex
+	pool   map[int][]*stageBuf // free staging buffers by size class
+	reg    *memory.Registry    // staging buffers, never published
+}
+
+// stageBuf is one host staging buffer.
+type stageBuf struct {
+	mem []byte
+	reg *memory.Region
+	cls int
+}
+
+// Staging buffers are kept per size class (powers of two from 64 KiB);
+// at most stageKeep of each class wait for reuse.
+const (
+	stageMinClass = 16
+	stageKeep     = 16
+)
+
+func (e *Engine) cuda() (*cuda.Driver, error) {
+	e.gpu.once.Do(func() {
+		e.gpu.drv, e.gpu.err = cuda.Open(e.opts.CUDALibrary)
+		e.gpu.pool = map[int][]*stageBuf{}
+		e.gpu.reg = memory.NewRegistry()
+	})
+	return e.gpu.drv, e.gpu.err
+}
+
+// gpuLocation checks GPU memory for a registration: with loc "cuda:N" it
+// must be device N's; with "*" it reports "cuda:N" or "" for host memory.
+func (e *Engine) gpuLocation(loc string, mem []byte) (string, error) {
+	want := -1
+	if strings.HasPrefix(loc, "cuda:") {
+		n, err := strconv.Atoi(loc[5:])
+		if err != nil || n < 0 || n > 1023 {
+			return "", fmt.Errorf("%w: location %q: want cuda:N with N a device ordinal", ErrInvalidArg, loc)
+		}
+		want = n
+	}
+	drv, err := e.cuda()
+	if err != nil {
+		if want < 0 {
+			return "", nil // "*" without a driver: host memory
+		}
+		return "", fmt.Errorf("location %q: %w: %w", loc, ErrUnsupported, err)
+	}
+	ord, _, _, err := drv.Pointer(memory.AddrOf(mem), uint64(len(mem)))
+	switch {
+	case err != nil && want < 0:
+		return "", nil
+	case err != nil:
+		return "", fmt.Errorf("%w: location %q: %w", ErrInvalidArg, loc, err)
+	case want >= 0 && ord != want:
+		return "", fmt.Errorf("%w: location %q: the memory is on cuda:%d", ErrInvalidArg, loc, ord)
+	}
+	return "cuda:" + strconv.Itoa(ord), nil
+}
+
+// gpuOrdinal returns the device of a "cuda:N" location, or -1.
+func gpuOrdinal(loc string) int {
+	if !strings.HasPrefix(loc, "cuda:") {
+		return -1
+	}
+	n, err := strconv.Atoi(loc[5:])
+	if err != nil {
+		return -1
+	}
+	return n
+}
+
+// getStage returns a staging buffer of at least n bytes.
+func (e *Engine) getStage(n int) (*stageBuf, error) {
+	cls := stageMinClass
+	for 1<<cls < n {
+		cls++
+	}
+	e.gpu.poolMu.Lock()
+	if free := e.gpu.pool[cls]; len(free) > 0 {
+		b := free[len(free)-1]
+		e.gpu.pool[cls] = free[:len(free)-1]
+		e.gpu.poolMu.Unlock()
+		return b, nil
+	}
+	e.gpu.poolMu.Unlock()
+	mem, _, err := memory.Alloc(1 << cls)
+	if err != nil {
+		return nil, fmt.Errorf("staging buffer of %d bytes: %w", 1<<cls, err)
+	}
+	regs, err := e.gpu.reg.Register([]memory.Range{{Mem: mem, Location: "cpu"}})
+	if err != nil {
+		_ = memory.Free(mem)
+		return nil, err
+	}
+	return &stageBuf{mem: mem, reg: regs[0], cls: cls}, nil
+}
+
+func (e *Engine) putStage(b *stageBuf) {
+	e.gpu.poolMu.Lock()
+	if len(e.gpu.pool[b.cls]) < stageKeep {
+		e.gpu.pool[b.cls] = append(e.gpu.pool[b.cls], b)
+		e.gpu.poolMu.Unlock()
+		return
+	}
+	e.gpu.poolMu.Unlock()
+	_, _ = e.gpu.reg.Unregister([]uint64{b.reg.Addr})
+	_ = memory.Free(b.mem)
+}
+
+// freeStages frees the pooled staging buffers (at Close).
+func (e *Engine) freeStages() {
+	e.gpu.poolMu.Lock()
+	pool := e.gpu.pool
+	e.gpu.pool = map[int][]*stageBuf{}
+	e.gpu.poolMu.Unlock()
+	for _, bs := range pool {
+		for _, b := range bs {
+			_, _ = e.gpu.reg.Unregister([]uint64{b.reg.Addr})
+			_ = memory.Free(b.mem)
+		}
+	}
+}
+
+// ownerStage is an admitted access to GPU memory, staged in host memory.
+type ownerStage struct {
+	e    *Engine
+	dev  int
+	addr uint64 // GPU address of the access
+	buf  *stageBuf
+	n    int
+}
+
+func (s *ownerStage) Fill() error {
+	return s.e.gpu.drv.Copy(s.dev, cuda.DeviceToHost, memory.AddrOf(s.buf.mem), s.addr, uint64(s.n))
+}
+
+func (s *ownerStage) Flush() error {
+	return s.e.gpu.drv.Copy(s.dev, cuda.HostToDevice, s.addr, memory.AddrOf(s.buf.mem), uint64(s.n))
+}
+
+func (s *ownerStage) Release() { s.e.putStage(s.buf) }
+
+// stageTarget turns an admitted target in GPU memory into one staged in
+// host memory.
+func (e *Engine) stageTarget(t transport.Target, r *memory.Region, a *transport.Access) (transport.Target, error) {
+	dev := gpuOrdinal(r.Location)
+	if dev < 0 {
+		return t, nil
+	}
+	if _, err := e.cuda(); err != nil {
+		return transport.Target{}, fmt.Errorf("%w: GPU memory without the CUDA driver: %w", ErrRefused, err)
+	}
+	buf, err := e.getStage(int(a.Length))
+	if err != nil {
+		return transport.Target{}, fmt.Errorf("%w: %w", ErrRefused, err)
+	}
+	t.Mem = buf.mem[:a.Length:a.Length]
+	t.Stage = &ownerStage{e: e, dev: dev, addr: a.Addr, buf: buf, n: int(a.Length)}
+	return t, nil
+}
+
+// ---- initiator side --------------------------------------------------------
+
+// initStage is a slice of GPU memory staged through host memory on a path
+// that cannot reach GPU memory.
+type initStage struct {
+	dev  int
+	gpu  []byte // the slice's own memory
+	greg *memory.Region
+	buf  *stageBuf
+}
+
+// stageSlice prepares a GPU slice for a path without DirectGPU: a WRITE's
+// bytes are copied into a staging buffer first (after checking that its
+// task is still live), a READ lands in one and is copied out when it
+// completes. It reports false when the slice ended instead.
+func (e *Engine) stageSlice(s *sliceT) bool {
+	dev := gpuOrdinal(s.LocalReg.Location)
+	if dev < 0 || s.stage != nil {
+		return true
+	}
+	fail := func(err error) bool {
+		s.Finish(fmt.Errorf("GPU staging: %w", err))
+		return false
+	}
+	if _, err := e.cuda(); err != nil {
+		return fail(err)
+	}
+	buf, err := e.getStage(len(s.Local))
+	if err != nil {
+		return fail(err)
+	}
+	st := &initStage{dev: dev, gpu: s.Local, greg: s.LocalReg, buf: buf}
+	if s.Op == transport.Write {
+		// A staging copy is a copy under way like any other: it starts
+		// only while the task is live and its memory registered.
+		if f := s.t.final.Load(); f != 0 {
+			e.putStage(buf)
+			return fail(fmt.Errorf("%w: task ended", transport.ErrCanceled))
+		}
+		if err := st.greg.Enter(); err != nil {
+			e.putStage(buf)
+			return fail(err)
+		}
+		err := e.gpu.drv.Copy(dev, cuda.DeviceToHost, memory.AddrOf(buf.mem), memory.AddrOf(s.Local), uint64(len(s.Local)))
+		st.greg.Leave()
+		if err != nil {
+			e.putStage(buf)
+			return fail(err)
+		}
+	}
+	s.stage = st
+	s.Local = buf.mem[:len(st.gpu):len(st.gpu)]
+	s.LocalReg = buf.reg
+	return true
+}
+
+// unstage ends a staged slice's use of its buffer: a READ that succeeded
+// is copied into GPU memory first, unless its task ended meanwhile (then
+// its memory must not be touched). It returns the slice's error.
+func (e *Engine) unstage(s *sliceT, err error) error {
+	st := s.stage
+	if st == nil {
+		return err
+	}
+	s.stage = nil
+	if err == nil && s.Op == transport.Read {
+		switch {
+		case s.t.final.Load() != 0:
+			err = fmt.Errorf("%w: task ended before its READ was copied to GPU memory", transport.ErrCanceled)
+		default:
+			if err = st.greg.Enter(); err == nil {
+				err = e.gpu.drv.Copy(st.dev, cuda.HostToDevice, memory.AddrOf(st.gpu), memory.AddrOf(s.Local), uint64(len(s.Local)))
+				st.greg.Leave()
+			}
+			if err != nil {
+				err = fmt.Errorf("GPU staging: %w", err)
+			}
+		}
+	}
+	s.Local, s.LocalReg = st.gpu, st.greg
+	e.putStage(st.buf)
+	return err
+}
+
+// postStaged posts slices on a path, staging those in GPU memory through
+// host memory first where the path cannot reach GPU memory. Each staged
+// slice is posted as soon as its copy is done, so the copy of the next one
+// overlaps the network transfer of this one.
+func (e *Engine) postStaged(ref *pathRef, slices []*transport.Slice) {
+	if d, ok := ref.ep.(transport.DirectGPU); ok && d.DirectGPU() {
+		ref.ep.Post(slices)
+		return
+	}
+	plain := slices[:0:0]
+	for _, s := range slices {
+		st := s.Tag.(*sliceT)
+		if gpuOrdinal(s.LocalReg.Location) < 0 && st.stage == nil {
+			plain = append(plain, s)
+			continue
+		}
+		if len(plain) > 0 {
+			ref.ep.Post(plain)
+			plain = plain[:0:0]
+		}
+		if e.stageSlice(st) {
+			ref.ep.Post([]*transport.Slice{s})
+		}
+	}
+	if len(plain) > 0 {
+		ref.ep.Post(plain)
+	}
+}

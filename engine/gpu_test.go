@@ -1,0 +1,199 @@
+package engine_test
+
+// GPU memory on the fake libcuda (tests/fakecuda): registration checks,
+// transfers GPU<->CPU and GPU->GPU over tcp through host staging with the
+// data checked through the driver, and an abort striking while the owner
+// stages a WRITE into GPU memory.
+
+import (
+	"bytes"
+	"errors"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/kvferry/kvferry/cuda"
+	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/fakeverbs"
+)
+
+func gpuOpts(t *testing.T, o engine.Options) engine.Options {
+	t.Helper()
+	o.Protocol = "tcp"
+	o.CUDALibrary = fakeverbs.CUDAPath(t)
+	return o
+}
+
+// gpuAlloc allocates n bytes on device dev of the fake driver.
+func gpuAlloc(t *testing.T, dev int, n int) (*cuda.Driver, []byte) {
+	t.Helper()
+	d, err := cuda.Open(fakeverbs.CUDAPath(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Use(dev); err != nil {
+		t.Fatal(err)
+	}
+	p, err := d.Alloc(dev, uint64(n))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Free(dev, p) })
+	// Device memory is not Go memory: the slice only carries its address.
+	return d, unsafe.Slice((*byte)(unsafe.Add(nil, uintptr(p))), n)
+}
+
+// gpuRead copies GPU memory out through the driver (never by load).
+func gpuRead(t *testing.T, d *cuda.Driver, dev int, g []byte) []byte {
+	t.Helper()
+	out := make([]byte, len(g))
+	if err := d.Copy(dev, cuda.DeviceToHost, engine.AddrOf(out), engine.AddrOf(g), uint64(len(g))); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func gpuWrite(t *testing.T, d *cuda.Driver, dev int, g, data []byte) {
+	t.Helper()
+	if err := d.Copy(dev, cuda.HostToDevice, engine.AddrOf(g), engine.AddrOf(data), uint64(len(g))); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestGPUMemoryRegistrationIsChecked(t *testing.T) {
+	e := newEngineWith(t, gpuOpts(t, engine.Options{}))
+	d, g := gpuAlloc(t, 1, 1<<20)
+	_ = d
+	if _, err := e.RegisterMemory(g, "cuda:0"); !errors.Is(err, engine.ErrInvalidArg) {
+		t.Fatalf("device 1 memory registered as cuda:0: %v", err)
+	}
+	if _, err := e.RegisterMemory(g, "*"); err != nil {
+		t.Fatalf("register with *: %v", err)
+	}
+	if _, err := e.RegisterMemory(make([]byte, 4096), "cuda:0"); !errors.Is(err, engine.ErrInvalidArg) {
+		t.Fatalf("host memory registered as cuda:0: %v", err)
+	}
+	var loc string
+	for _, b := range e.Descriptor().Buffers {
+		if b.Addr == engine.AddrOf(g) {
+			loc = b.Location
+		}
+	}
+	if loc != "cuda:1" {
+		t.Fatalf("\"*\" on device 1 memory gave location %q", loc)
+	}
+	noDriver := newEngineWith(t, engine.Options{Protocol: "tcp", CUDALibrary: t.TempDir() + "/libcuda.so.1"})
+	if _, err := noDriver.RegisterMemory(make([]byte, 4096), "cuda:0"); !errors.Is(err, engine.ErrUnsupported) || !bytes.Contains([]byte(err.Error()), []byte("cuda not available")) {
+		t.Fatalf("cuda:0 without a driver: %v", err)
+	}
+}
+
+func TestGPUTransfersOverTCPThroughStaging(t *testing.T) {
+	owner := newEngineWith(t, gpuOpts(t, engine.Options{SliceSize: 256 << 10}))
+	init := newEngineWith(t, gpuOpts(t, engine.Options{SliceSize: 256 << 10}))
+	const n = 6<<20 + 4096
+	d, ownerGPU := gpuAlloc(t, 0, n)
+	_, initGPU := gpuAlloc(t, 1, n)
+	if _, err := owner.RegisterMemory(ownerGPU, "cuda:0"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := init.RegisterMemory(initGPU, "*"); err != nil {
+		t.Fatal(err)
+	}
+	host := alloc(t, init, n)
+	seg := openSegment(t, init, owner.Name())
+	want := make([]byte, n)
+	fillPattern(want, 7)
+
+	// CPU -> GPU (WRITE into the owner's GPU memory).
+	copy(host, want)
+	transfer(t, init, 30*time.Second, write(host, seg, engine.AddrOf(ownerGPU), n))
+	requireEqual(t, "owner GPU memory after CPU->GPU", gpuRead(t, d, 0, ownerGPU), want)
+	// GPU -> GPU (WRITE from the initiator's GPU into the owner's).
+	fillPattern(want, 8)
+	gpuWrite(t, d, 1, initGPU, want)
+	transfer(t, init, 30*time.Second, write(initGPU, seg, engine.AddrOf(ownerGPU), n))
+	requireEqual(t, "owner GPU memory after GPU->GPU", gpuRead(t, d, 0, ownerGPU), want)
+	// GPU -> CPU (READ of the owner's GPU memory into host memory).
+	clear(host)
+	transfer(t, init, 30*time.Second, read(host, seg, engine.AddrOf(ownerGPU), n))
+	requireEqual(t, "host memory after GPU->CPU", host, want)
+	// GPU -> GPU by READ (into the initiator's GPU memory).
+	gpuWrite(t, d, 1, initGPU, make([]byte, n))
+	transfer(t, init, 30*time.Second, read(initGPU, seg, engine.AddrOf(ownerGPU), n))
+	requireEqual(t, "initiator GPU memory after a READ", gpuRead(t, d, 1, initGPU), want)
+	if c := d.Stat("copies"); c < 4*int64(n/(256<<10)) {
+		t.Errorf("only %d driver copies: the data did not go through staging", c)
+	}
+}
+
+// An abort while the owner stages a WRITE into GPU memory: the staging copy
+// runs inside the request's guard, so after Abort returns Safe no byte of
+// the request reaches the GPU memory, which the test refills and checks.
+func TestGPUStagingObeysAbort(t *testing.T) {
+	const n, rid = 8 << 20, 66
+	owner := newEngineWith(t, gpuOpts(t, engine.Options{SliceSize: 256 << 10}))
+	init := newEngineWith(t, gpuOpts(t, engine.Options{SliceSize: 256 << 10}))
+	d, ownerGPU := gpuAlloc(t, 0, n)
+	if _, err := owner.RegisterMemory(ownerGPU, "cuda:0"); err != nil {
+		t.Fatal(err)
+	}
+	src := alloc(t, init, n)
+	fillByte(src, oldByte)
+	seg := openSegment(t, init, owner.Name())
+	// Each host->device staging copy takes 20 ms: the WRITE lands slowly.
+	if err := d.Control("delay op=cuMemcpyHtoD_v2 us=20000"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Control("reset") })
+	b := submit(t, init, withRID(write(src, seg, engine.AddrOf(ownerGPU), n), rid, 0))
+	waitFor(t, 10*time.Second, "first staged copy", func() bool { return bytes.IndexByte(gpuRead(t, d, 0, ownerGPU), oldByte) >= 0 })
+	res, err := owner.Abort(testCtx(t, 10*time.Second), rid, []string{init.Name()})
+	if err != nil || !res.Safe {
+		t.Fatalf("abort = %+v, %v; want Safe", res, err)
+	}
+	_ = d.Control("reset")
+	gpuWrite(t, d, 0, ownerGPU, bytes.Repeat([]byte{reusedByte}, n))
+	r := waitBatch(t, b, 30*time.Second)[0]
+	time.Sleep(100 * time.Millisecond)
+	got := gpuRead(t, d, 0, ownerGPU)
+	if old := bytes.Count(got, []byte{oldByte}); old != 0 {
+		t.Fatalf("%d bytes of the aborted WRITE reached GPU memory after a Safe abort", old)
+	}
+	t.Logf("task %v after %d bytes", r.Status, r.Transferred)
+}
+
+// Two processes over tcp: the target's buffer is GPU memory (device 0 of
+// its fake driver); this process moves data GPU->CPU, CPU->GPU and
+// GPU->GPU (its own GPU memory on device 1) and checks every byte.
+func TestTwoProcessesGPUOverTCP(t *testing.T) {
+	const n = 8<<20 + 4096
+	lib := fakeverbs.CUDAPath(t)
+	tg := startTarget(t, targetConfig{cuda: lib, size: n, seed: 9})
+	e := newEngineWith(t, gpuOpts(t, engine.Options{SliceSize: 1 << 20}))
+	seg := openSegment(t, e, tg.name)
+	host := alloc(t, e, n)
+	want := make([]byte, n)
+
+	fillPattern(want, 9)
+	transfer(t, e, 30*time.Second, read(host, seg, tg.addr, n))
+	requireEqual(t, "GPU->CPU: the target's GPU memory read into host memory", host, want)
+
+	fillPattern(want, 10)
+	copy(host, want)
+	transfer(t, e, 30*time.Second, write(host, seg, tg.addr, n))
+	clear(host)
+	transfer(t, e, 30*time.Second, read(host, seg, tg.addr, n))
+	requireEqual(t, "CPU->GPU: host memory written into the target's GPU memory, read back", host, want)
+
+	d, g := gpuAlloc(t, 1, n)
+	if _, err := e.RegisterMemory(g, "*"); err != nil {
+		t.Fatal(err)
+	}
+	fillPattern(want, 11)
+	gpuWrite(t, d, 1, g, want)
+	transfer(t, e, 30*time.Second, write(g, seg, tg.addr, n))
+	gpuWrite(t, d, 1, g, make([]byte, n))
+	transfer(t, e, 30*time.Second, read(g, seg, tg.addr, n))
+	requireEqual(t, "GPU->GPU: this GPU's memory written to the target's GPU and read back into it", gpuRead(t, d, 1, g), want)
+}
