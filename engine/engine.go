@@ -315,6 +315,8 @@ type Stats struct {
 	RDMAFences        uint64 // owner-side fences of an initiator's QPs
 	RDMAFencesPending int    // aborts whose fenced initiator has not acknowledged yet
 	RDMANotifications uint64 // notifications received in-band
+	RDMAGPUDmabuf     uint64 // GPU memory registrations through dma-buf
+	RDMAGPUPeermem    uint64 // GPU memory registrations as is (nvidia-peermem)
 }
 
 // Stats returns a snapshot of the counters.
@@ -339,8 +341,8 @@ func (e *Engine) Stats() Stats {
 	return Stats{
 		RDMANICs: nics, RDMAWorkRequests: rs2.Posted, RDMAErrorWCs: rs2.ErrorCompletions,
 		RDMAFailovers: rs2.Failovers, RDMAFences: rs2.Fences, RDMAFencesPending: nfenced,
-		RDMANotifications: rs2.Notifies,
-		AbortsSafe:        e.stats.abortsSafe.Load(), AbortsNotSafe: e.stats.abortsNotSafe.Load(),
+		RDMANotifications: rs2.Notifies, RDMAGPUDmabuf: rs2.DmabufMRs, RDMAGPUPeermem: rs2.PeermemMRs,
+		AbortsSafe: e.stats.abortsSafe.Load(), AbortsNotSafe: e.stats.abortsNotSafe.Load(),
 		AbortAcks: e.stats.abortAcks.Load(), AcksUnmatched: e.stats.acksUnmatched.Load(),
 		AbortResends: e.stats.abortResends.Load(), Tombstones: rs.Tombstones, Grants: rs.Grants,
 		RequestStates: e.reqs.Len(), TombstonesEvict: uint64(rs.Evicted),

@@ -16,9 +16,10 @@ type MemoryRange struct {
 	// use AllocBuffer, mmap or C memory (Go's heap does not move, but
 	// memory from it must stay referenced, which registration does).
 	Mem []byte
-	// Location says where the memory lives: "cpu", "cpu:N" (NUMA node N)
-	// or "*" to detect it. GPU locations ("cuda:N") arrive with the GPU
-	// issue.
+	// Location says where the memory lives: "cpu", "cpu:N" (NUMA node N),
+	// "cuda:N" (GPU N, checked through the CUDA driver) or "*" to detect
+	// it. GPU memory moves directly over rdma and through host staging
+	// buffers over tcp.
 	Location string
 }
 

@@ -19,7 +19,7 @@ func (e *Engine) startRDMA() error {
 	t, err := rdma.New(rdma.Options{
 		Library: e.opts.RDMALibrary, Devices: e.opts.RDMADevices, Exchange: e.exchange,
 		AdmitInitiator: e.admitInitiator, Fence: !e.opts.RDMANoFence, Logger: e.log,
-		OnNotify: e.notified,
+		OnNotify: e.notified, DmaBuf: e.dmaBuf,
 	})
 	if err != nil {
 		if e.opts.Protocol == "rdma" {
@@ -239,4 +239,22 @@ func (e *Engine) notifyInband(ctx context.Context, seg *Segment, requestID uint6
 		return true, fmt.Errorf("notify %s: %w: %w", seg.name, ErrConnection, err)
 	}
 	return true, nil
+}
+
+// dmaBuf exports GPU memory for rdma registration: the dma-buf covers the
+// pages around [addr, addr+n) (the driver wants whole pages).
+func (e *Engine) dmaBuf(location string, addr, n uint64) (int, uint64, error) {
+	dev := gpuOrdinal(location)
+	drv, err := e.cuda()
+	if err != nil || dev < 0 {
+		return -1, 0, fmt.Errorf("dma-buf of %s: %w", location, ErrUnsupported)
+	}
+	const page = 4096
+	base := addr &^ (page - 1)
+	end := (addr + n + page - 1) &^ (page - 1)
+	fd, err := drv.DmaBuf(dev, base, end-base)
+	if err != nil {
+		return -1, 0, err
+	}
+	return fd, addr - base, nil
 }

@@ -254,9 +254,13 @@ kvf_status kvf_engine_stats(kvf_engine engine, kvf_stats *out);
 /* Memory                                                                   */
 /* ------------------------------------------------------------------------ */
 
-/* Locations: NULL or "cpu" (host memory), "cpu:N" (NUMA node N), "*" (the
- * engine finds the NUMA node). GPU locations ("cuda:N") return
- * KVF_ERR_UNSUPPORTED in this version. */
+/* Locations: NULL or "cpu" (host memory), "cpu:N" (NUMA node N), "cuda:N"
+ * (GPU N's memory, checked with the CUDA driver, libcuda.so.1 or
+ * KVFERRY_CUDA_LIBRARY, loaded at run time), "*" (the engine finds out: GPU
+ * memory and its device, else the NUMA node). "cuda:N" without a driver is
+ * KVF_ERR_UNSUPPORTED; memory not on device N is KVF_ERR_INVALID. GPU
+ * memory moves directly over rdma and through host staging buffers over
+ * tcp. */
 
 /* Registers [addr, addr+len) so that transfers may read or write it, locally
  * and by peers. The memory stays owned by the caller, who must keep it mapped

@@ -30,6 +30,7 @@ struct kvfv_lib {
 	int (*dealloc_pd)(struct ibv_pd *);
 	struct ibv_mr *(*reg_mr)(struct ibv_pd *, void *, size_t, int);
 	struct ibv_mr *(*reg_mr_iova2)(struct ibv_pd *, void *, size_t, uint64_t, unsigned int);
+	struct ibv_mr *(*reg_dmabuf_mr)(struct ibv_pd *, uint64_t, size_t, uint64_t, int, int);
 	int (*dereg_mr)(struct ibv_mr *);
 	struct ibv_cq *(*create_cq)(struct ibv_context *, int, void *, struct ibv_comp_channel *, int);
 	int (*destroy_cq)(struct ibv_cq *);
@@ -112,6 +113,8 @@ int kvfv_open(const char *path, kvfv_lib **out, char *err, size_t errlen) {
 #undef REQ
 	// Optional: relaxed ordering needs the iova2 entry point (rdma-core 28+).
 	*(void **)&l->reg_mr_iova2 = sym(h, "ibv_reg_mr_iova2", "IBVERBS_1.8");
+	// Optional: GPU memory through dma-buf (rdma-core 34+).
+	*(void **)&l->reg_dmabuf_mr = sym(h, "ibv_reg_dmabuf_mr", "IBVERBS_1.12");
 
 	int n = 0;
 	l->devices = l->get_device_list(&n);
@@ -250,6 +253,19 @@ int kvfv_reg_mr(kvfv_lib *l, void *pd, uint64_t addr, uint64_t len, int access, 
 	}
 	if (m == NULL)
 		return errno ? errno : ENOMEM;
+	*mr = m;
+	*lkey = m->lkey;
+	*rkey = m->rkey;
+	return 0;
+}
+
+int kvfv_reg_dmabuf_mr(kvfv_lib *l, void *pd, uint64_t offset, uint64_t len, uint64_t iova, int fd, int access, void **mr, uint32_t *lkey, uint32_t *rkey) {
+	if (l->reg_dmabuf_mr == NULL)
+		return EOPNOTSUPP;
+	errno = 0;
+	struct ibv_mr *m = l->reg_dmabuf_mr(pd, offset, len, iova, fd, access);
+	if (m == NULL)
+		return errno ? errno : EOPNOTSUPP;
 	*mr = m;
 	*lkey = m->lkey;
 	*rkey = m->rkey;

@@ -134,6 +134,7 @@ int kvfv_control(kvfv_lib *lib, const char *sym, const char *cmd);
 int kvfv_alloc_pd(kvfv_lib *lib, void *ctx, void **pd);
 int kvfv_dealloc_pd(kvfv_lib *lib, void *pd);
 int kvfv_reg_mr(kvfv_lib *lib, void *pd, uint64_t addr, uint64_t len, int access, int relaxed, void **mr, uint32_t *lkey, uint32_t *rkey);
+int kvfv_reg_dmabuf_mr(kvfv_lib *lib, void *pd, uint64_t offset, uint64_t len, uint64_t iova, int fd, int access, void **mr, uint32_t *lkey, uint32_t *rkey);
 int kvfv_dereg_mr(kvfv_lib *lib, void *mr);
 int kvfv_create_cq(kvfv_lib *lib, void *ctx, int cqe, void **cq);
 int kvfv_destroy_cq(kvfv_lib *lib, void *cq);

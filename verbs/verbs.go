@@ -438,6 +438,17 @@ func (p *PD) RegMR(addr uint64, n uint64, access Access, relaxed bool) (*MR, err
 	return &MR{pd: p, c: m, Addr: addr, Len: n, LKey: uint32(lkey), RKey: uint32(rkey)}, nil
 }
 
+// RegDmabufMR registers n bytes of a dma-buf (GPU memory exported by the
+// CUDA driver) from offset, seen by the NIC at address iova.
+func (p *PD) RegDmabufMR(offset, n, iova uint64, fd int, access Access) (*MR, error) {
+	var m unsafe.Pointer
+	var lkey, rkey C.uint32_t
+	if rc := C.kvfv_reg_dmabuf_mr(p.ctx.lib.c, p.c, C.uint64_t(offset), C.uint64_t(n), C.uint64_t(iova), C.int(fd), C.int(access), &m, &lkey, &rkey); rc != 0 {
+		return nil, fmt.Errorf("register dma-buf %d [+%d, %d bytes] on %s: %w", fd, offset, n, p.ctx.Name, syscall.Errno(rc))
+	}
+	return &MR{pd: p, c: m, Addr: iova, Len: n, LKey: uint32(lkey), RKey: uint32(rkey)}, nil
+}
+
 // Dereg deregisters the region: once it returns, the device no longer reads
 // or writes the range.
 func (m *MR) Dereg() error {

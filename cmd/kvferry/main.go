@@ -101,11 +101,22 @@ func runTopo(w io.Writer, sysRoot string) int {
 		}
 		names := make([]string, len(order))
 		for i, k := range order {
-			names[i] = nics[k].Name + ":" + strconv.Itoa(nics[k].Port)
+			names[i] = nicName(nics, k)
 		}
 		fmt.Fprintf(w, "  %-8s %s\n", "cuda:"+strconv.Itoa(g.index), strings.Join(names, " "))
 	}
 	return 0
+}
+
+// nicName names NIC k as topo.Matrix does: its device name, with the port
+// when the device has several.
+func nicName(nics []topo.NIC, k int) string {
+	for i, n := range nics {
+		if i != k && n.Name == nics[k].Name {
+			return nics[k].Name + ":" + strconv.Itoa(nics[k].Port)
+		}
+	}
+	return nics[k].Name
 }
 
 func numaText(n int) string {
@@ -138,9 +149,13 @@ func findGPUs() ([]gpu, string) {
 	}
 	var out []gpu
 	for _, dev := range d.Devices() {
-		numa := topo.ReadPlacement("").NUMANode
+		numa := -1
 		if p := topo.PCIPathOf("/sys", dev.PCIBusID); p != "" {
-			numa = topo.ReadPlacement(p).NUMANode
+			if b, err := os.ReadFile(p + "/numa_node"); err == nil {
+				if v, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && v >= 0 {
+					numa = v
+				}
+			}
 		}
 		out = append(out, gpu{index: dev.Ordinal, name: dev.Name, bus: dev.PCIBusID, numa: numa})
 	}

@@ -30,7 +30,15 @@ func TestTopoPrintsAndExitsZero(t *testing.T) {
 	if rc := runTopo(&out, "/sys"); rc != 0 {
 		t.Fatalf("exit %d:\n%s", rc, out.String())
 	}
-	for _, want := range []string{"fake0:1", "fake1:1", "cpu:1    fake1 fake0", "cpu:0    fake0 fake1"} {
+	t.Setenv("KVFERRY_CUDA_LIBRARY", fakeverbs.CUDAPath(t))
+	out.Reset()
+	if rc := runTopo(&out, "/sys"); rc != 0 {
+		t.Fatalf("exit %d:\n%s", rc, out.String())
+	}
+	t.Logf("with the fakes:\n%s", out.String())
+	for _, want := range []string{"fake0:1", "fake1:1", "cpu:1    fake1 fake0", "cpu:0    fake0 fake1",
+		"cuda:0  kvferry fake GPU 0  pci 0000:20:00.0", "cuda:1  kvferry fake GPU 1  pci 0000:21:00.0",
+		"cuda:0   fake0 fake1"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("want %q in:\n%s", want, out.String())
 		}

@@ -180,7 +180,7 @@ class EngineClosedError(_Picklable, KvferryError):
 
 
 class UnsupportedError(_Picklable, KvferryError):
-    """KVF_ERR_UNSUPPORTED: not supported by this build (e.g. "cuda:N" memory)."""
+    """KVF_ERR_UNSUPPORTED: not supported here (e.g. "cuda:N" memory without a CUDA driver)."""
 
 
 class TransferFailedError(_Picklable, KvferryError):
@@ -822,7 +822,8 @@ class Engine:
         until :meth:`unregister` returned); a writable, contiguous object with
         the buffer protocol (bytearray, mmap, ctypes array, ...); a NumPy
         array; or a tensor with ``data_ptr()`` (location from its device,
-        "cpu" or "cuda:N"; GPU memory is UnsupportedError in this version).
+        "cpu" or "cuda:N"; GPU memory needs the CUDA driver, else
+        UnsupportedError).
         Objects are kept referenced (a bytearray cannot be resized, an mmap
         not closed) until unregistered or the engine is closed. ``length``
         may register only the first bytes of an object; ``location``

@@ -24,6 +24,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/kvferry/kvferry/engine/memory"
@@ -72,6 +73,11 @@ type Options struct {
 	Timeout, RetryCount uint8
 	// RequestTimeout bounds each handshake exchange; 5 s when zero.
 	RequestTimeout time.Duration
+	// DmaBuf exports GPU memory at location ("cuda:N") as a dma-buf for
+	// registration: it returns a file descriptor the caller closes, and
+	// where addr lies in it. Without it, or when it or the NIC refuses,
+	// GPU memory is registered as is (nvidia-peermem).
+	DmaBuf func(location string, addr, n uint64) (fd int, offset uint64, err error)
 	// OnNotify takes a notification that arrived in-band from initiator
 	// (on a NIC's poller: it must not block).
 	OnNotify func(initiator string, requestID uint64, data []byte)
@@ -136,7 +142,7 @@ type Transport struct {
 // counters are the transport's counters.
 type counters struct {
 	Posted, Completed, ErrorCompletions, Failovers, Fences, Reconnects atomic.Uint64
-	Notifies, BadNotifies                                              atomic.Uint64
+	Notifies, BadNotifies, DmabufMRs, PeermemMRs                       atomic.Uint64
 }
 
 // Stats is a snapshot of the transport's counters.
@@ -149,6 +155,8 @@ type Stats struct {
 	Reconnects       uint64 // NIC paths reconnected
 	Notifies         uint64 // notifications received in-band
 	BadNotifies      uint64 // malformed in-band notifications dropped
+	DmabufMRs        uint64 // GPU memory registrations through dma-buf
+	PeermemMRs       uint64 // GPU memory registrations without (nvidia-peermem)
 }
 
 // Stats returns a snapshot of the counters.
@@ -157,6 +165,7 @@ func (t *Transport) Stats() Stats {
 		Posted: t.stats.Posted.Load(), Completed: t.stats.Completed.Load(), ErrorCompletions: t.stats.ErrorCompletions.Load(),
 		Failovers: t.stats.Failovers.Load(), Fences: t.stats.Fences.Load(), Reconnects: t.stats.Reconnects.Load(),
 		Notifies: t.stats.Notifies.Load(), BadNotifies: t.stats.BadNotifies.Load(),
+		DmabufMRs: t.stats.DmabufMRs.Load(), PeermemMRs: t.stats.PeermemMRs.Load(),
 	}
 }
 
@@ -421,7 +430,7 @@ func (t *Transport) register(r *memory.Region) (*regMRs, error) {
 	for off := uint64(0); off < r.Len; off += step {
 		p := mrPiece{off: off, len: min(step, r.Len-off)}
 		for _, n := range t.nics {
-			mr, err := n.pd.RegMR(r.Addr+off, p.len, access, relaxed)
+			mr, err := t.regPiece(n, r, off, p.len, access, relaxed)
 			if err != nil {
 				rm.pieces = append(rm.pieces, p)
 				t.deregister(rm)
@@ -432,6 +441,35 @@ func (t *Transport) register(r *memory.Region) (*regMRs, error) {
 		rm.pieces = append(rm.pieces, p)
 	}
 	return rm, nil
+}
+
+// regPiece registers one piece of a region on n. GPU memory goes through
+// dma-buf when the driver and the NIC take it, else as is (which needs
+// nvidia-peermem on real hardware).
+func (t *Transport) regPiece(n *NIC, r *memory.Region, off, length uint64, access verbs.Access, relaxed bool) (*verbs.MR, error) {
+	if strings.HasPrefix(r.Location, "cuda:") {
+		if t.opts.DmaBuf != nil {
+			fd, at, err := t.opts.DmaBuf(r.Location, r.Addr+off, length)
+			if err == nil {
+				mr, err := n.pd.RegDmabufMR(at, length, r.Addr+off, fd, access)
+				_ = syscall.Close(fd)
+				if err == nil {
+					t.stats.DmabufMRs.Add(1)
+					return mr, nil
+				}
+				t.log.Debug("kvferry: dma-buf registration refused; registering GPU memory as is", "nic", n.Name, "err", err)
+			} else {
+				t.log.Debug("kvferry: no dma-buf for GPU memory; registering it as is", "err", err)
+			}
+		}
+		mr, err := n.pd.RegMR(r.Addr+off, length, access, relaxed)
+		if err != nil {
+			return nil, fmt.Errorf("GPU memory %s on %s (dma-buf and nvidia-peermem both failed): %w", r.Location, n.Name, err)
+		}
+		t.stats.PeermemMRs.Add(1)
+		return mr, nil
+	}
+	return n.pd.RegMR(r.Addr+off, length, access, relaxed)
 }
 
 func (t *Transport) deregister(rm *regMRs) {
