@@ -188,6 +188,18 @@ func (d *Driver) Copy(ordinal, kind int, dst, src, n uint64) error {
 	return d.check("cuMemcpy", C.kvfc_copy(d.c, C.int(ordinal), C.int(kind), C.uint64_t(dst), C.uint64_t(src), C.uint64_t(n)))
 }
 
+// HostRegister page-locks [p, p+n) of host memory for every device's
+// copies (pinned staging: copies from it run at the bus's speed and need no
+// bounce). The memory must stay mapped until HostUnregister.
+func (d *Driver) HostRegister(ordinal int, p []byte) error {
+	return d.check("cuMemHostRegister", C.kvfc_host_register(d.c, C.int(ordinal), unsafe.Pointer(unsafe.SliceData(p)), C.uint64_t(len(p))))
+}
+
+// HostUnregister undoes HostRegister.
+func (d *Driver) HostUnregister(ordinal int, p []byte) error {
+	return d.check("cuMemHostUnregister", C.kvfc_host_unregister(d.c, C.int(ordinal), unsafe.Pointer(unsafe.SliceData(p))))
+}
+
 // Alloc allocates n bytes of device memory on ordinal (which must be in use).
 func (d *Driver) Alloc(ordinal int, n uint64) (uint64, error) {
 	var p C.uint64_t

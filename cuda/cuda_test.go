@@ -85,3 +85,42 @@ func TestFakeDriver(t *testing.T) {
 		t.Fatalf("Use(7) = %v", err)
 	}
 }
+
+// TestRealDriver runs on this machine's NVIDIA driver, where there is one,
+// and skips saying why where there is none (a skip is not a pass).
+func TestRealDriver(t *testing.T) {
+	d, err := cuda.Open(cuda.DefaultLibrary)
+	if err != nil {
+		t.Skipf("no real GPU here: %v", err)
+	}
+	for _, dev := range d.Devices() {
+		t.Logf("cuda:%d %s pci %s, %d MiB", dev.Ordinal, dev.Name, dev.PCIBusID, dev.Memory>>20)
+	}
+	if err := d.Use(0); err != nil {
+		t.Fatal(err)
+	}
+	p, err := d.Alloc(0, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Free(0, p)
+	host := make([]byte, 1<<20)
+	for i := range host {
+		host[i] = byte(i)
+	}
+	back := make([]byte, len(host))
+	if err := d.Copy(0, cuda.HostToDevice, p, uint64(uintptr(unsafe.Pointer(&host[0]))), uint64(len(host))); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Copy(0, cuda.DeviceToHost, uint64(uintptr(unsafe.Pointer(&back[0]))), p, uint64(len(back))); err != nil {
+		t.Fatal(err)
+	}
+	for i := range back {
+		if back[i] != host[i] {
+			t.Fatalf("byte %d differs after the round trip", i)
+		}
+	}
+	if ord, _, _, err := d.Pointer(p, 1<<20); err != nil || ord != 0 {
+		t.Fatalf("Pointer = %d, %v", ord, err)
+	}
+}

@@ -203,7 +203,8 @@ int kvfc_free(kvfc_lib *l, int ordinal, uint64_t ptr) {
 
 int kvfc_host_register(kvfc_lib *l, int ordinal, void *p, uint64_t n) {
 	CUresult r = current(l, ordinal);
-	return r ? r : l->MemHostRegister(p, n, 0);
+	// Portable: staging buffers serve every device's copies.
+	return r ? r : l->MemHostRegister(p, n, 0x1 /* CU_MEMHOSTREGISTER_PORTABLE */);
 }
 
 int kvfc_host_unregister(kvfc_lib *l, int ordinal, void *p) {

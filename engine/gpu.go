@@ -28,9 +28,10 @@ type gpu struct {
 
 // stageBuf is one host staging buffer.
 type stageBuf struct {
-	mem []byte
-	reg *memory.Region
-	cls int
+	mem    []byte
+	reg    *memory.Region
+	cls    int
+	pinned int // the device whose context pinned it, or -1
 }
 
 // Staging buffers are kept per size class (powers of two from 64 KiB);
@@ -91,8 +92,9 @@ func gpuOrdinal(loc string) int {
 	return n
 }
 
-// getStage returns a staging buffer of at least n bytes.
-func (e *Engine) getStage(n int) (*stageBuf, error) {
+// getStage returns a staging buffer of at least n bytes, page-locked
+// (pinned) through dev's context when the driver allows.
+func (e *Engine) getStage(dev, n int) (*stageBuf, error) {
 	cls := stageMinClass
 	for 1<<cls < n {
 		cls++
@@ -114,7 +116,21 @@ func (e *Engine) getStage(n int) (*stageBuf, error) {
 		_ = memory.Free(mem)
 		return nil, err
 	}
-	return &stageBuf{mem: mem, reg: regs[0], cls: cls}, nil
+	b := &stageBuf{mem: mem, reg: regs[0], cls: cls, pinned: -1}
+	if err := e.gpu.drv.HostRegister(dev, mem); err == nil {
+		b.pinned = dev
+	} else {
+		e.log.Debug("kvferry: staging buffer not pinned; copies go through pageable memory", "err", err)
+	}
+	return b, nil
+}
+
+func (e *Engine) freeStage(b *stageBuf) {
+	_, _ = e.gpu.reg.Unregister([]uint64{b.reg.Addr})
+	if b.pinned >= 0 {
+		_ = e.gpu.drv.HostUnregister(b.pinned, b.mem)
+	}
+	_ = memory.Free(b.mem)
 }
 
 func (e *Engine) putStage(b *stageBuf) {
@@ -125,8 +141,7 @@ func (e *Engine) putStage(b *stageBuf) {
 		return
 	}
 	e.gpu.poolMu.Unlock()
-	_, _ = e.gpu.reg.Unregister([]uint64{b.reg.Addr})
-	_ = memory.Free(b.mem)
+	e.freeStage(b)
 }
 
 // freeStages frees the pooled staging buffers (at Close).
@@ -137,8 +152,7 @@ func (e *Engine) freeStages() {
 	e.gpu.poolMu.Unlock()
 	for _, bs := range pool {
 		for _, b := range bs {
-			_, _ = e.gpu.reg.Unregister([]uint64{b.reg.Addr})
-			_ = memory.Free(b.mem)
+			e.freeStage(b)
 		}
 	}
 }
@@ -172,7 +186,7 @@ func (e *Engine) stageTarget(t transport.Target, r *memory.Region, a *transport.
 	if _, err := e.cuda(); err != nil {
 		return transport.Target{}, fmt.Errorf("%w: GPU memory without the CUDA driver: %w", ErrRefused, err)
 	}
-	buf, err := e.getStage(int(a.Length))
+	buf, err := e.getStage(dev, int(a.Length))
 	if err != nil {
 		return transport.Target{}, fmt.Errorf("%w: %w", ErrRefused, err)
 	}
@@ -208,7 +222,7 @@ func (e *Engine) stageSlice(s *sliceT) bool {
 	if _, err := e.cuda(); err != nil {
 		return fail(err)
 	}
-	buf, err := e.getStage(len(s.Local))
+	buf, err := e.getStage(dev, len(s.Local))
 	if err != nil {
 		return fail(err)
 	}

@@ -164,6 +164,9 @@ func TestGPUTransfersOverTCPThroughStaging(t *testing.T) {
 	if c := d.Stat("copies"); c >= 0 && c < 4*int64(n/(256<<10)) {
 		t.Errorf("only %d driver copies: the data did not go through staging", c)
 	}
+	if r := d.Stat("registered"); r == 0 {
+		t.Errorf("no host memory page-locked: staging buffers are not pinned")
+	}
 }
 
 // An abort while the owner stages a WRITE into GPU memory: the staging copy

@@ -9,6 +9,7 @@ out=build/gpu
 rm -rf "$out"
 mkdir -p "$out/lib"
 go test -c -o "$out/engine.test" ./engine
+go test -c -o "$out/cuda.test" ./cuda
 # Every library the binary needs except the C runtime's own.
 ldd "$out/engine.test" | awk '/=> \//{print $3}' | while read -r lib; do
   case "$(basename "$lib")" in
@@ -16,4 +17,4 @@ ldd "$out/engine.test" | awk '/=> \//{print $3}' | while read -r lib; do
     *) cp -L "$lib" "$out/lib/" ;;
   esac
 done
-echo "tests/gpu/build.sh: $(du -sh "$out" | cut -f1) in $out: engine.test and $(ls "$out/lib" | wc -l) libraries"
+echo "tests/gpu/build.sh: $(du -sh "$out" | cut -f1) in $out: engine.test, cuda.test and $(ls "$out/lib" | wc -l) libraries"

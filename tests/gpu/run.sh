@@ -15,8 +15,15 @@ fi
 export LD_LIBRARY_PATH="$PWD/$dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export KVFERRY_TEST_GPU=1 KVFERRY_LOG_LEVEL=warn
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=index,name,pci.bus_id,memory.total --format=csv,noheader
+out=$(timeout 30 "$dir"/cuda.test -test.v -test.count=1 -test.run '^TestRealDriver$' 2>&1); rc=$?
+echo "$out"
+[ $rc -eq 0 ] || exit $rc
+if grep -q -- '--- SKIP' <<<"$out"; then
+  echo "tests/gpu/run.sh: no usable GPU driver here; nothing was tested" >&2
+  exit 2
+fi
 cd engine
-timeout 180 ../"$dir"/engine.test -test.v -test.count=1 \
+timeout 150 ../"$dir"/engine.test -test.v -test.count=1 \
   -test.run '^(TestGPUTransfersOverTCPThroughStaging|TestTwoProcessesGPUOverTCP)$' 2>&1 |
   grep -v 'level=INFO'
 exit "${PIPESTATUS[0]}"
