@@ -319,33 +319,13 @@ func (e *Endpoint) inflight() int {
 // answer (a flushed or timed-out request may still have landed, or land
 // later), so the ACK then says "cut", not "drained".
 func (e *Endpoint) Drain(ctx context.Context, requestID uint64) error {
-	stop := context.AfterFunc(ctx, func() {
-		e.mu.Lock()
-		e.cond.Broadcast()
-		e.mu.Unlock()
-	})
-	defer stop()
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	for {
-		r := e.reqs[requestID]
-		busy := r != nil && r.inflight > 0
-		for _, w := range e.queue {
-			if w.s.RequestID == requestID && w.s.State() == transport.StateActive {
-				busy = true
-			}
-		}
-		if !busy {
-			if e.t.Uncertain(e.peer, requestID) {
-				return fmt.Errorf("rdma: request %d: a work request of it ended without the responder's answer", requestID)
-			}
-			return nil
-		}
-		if ctx.Err() != nil {
-			return fmt.Errorf("rdma: drain request %d: %w", requestID, ctx.Err())
-		}
-		e.cond.Wait()
+	if err := e.waitIdle(ctx, requestID, false); err != nil {
+		return fmt.Errorf("rdma: drain: %w", err)
 	}
+	if e.t.Uncertain(e.peer, requestID) {
+		return fmt.Errorf("rdma: request %d: a work request of it ended without the responder's answer", requestID)
+	}
+	return nil
 }
 
 // sender turns queued slices into work requests and posts them, a batch
@@ -656,6 +636,30 @@ func (e *Endpoint) postOn(p *pair, plans []plan) {
 func (e *Endpoint) room(p *pair) int {
 	nicRoom := int64(p.nic.cq.Size) - p.nic.inflight.Load() - p.nic.recvs.Load() - 64
 	return min(p.nic.maxWR-p.inflight, int(max(nicRoom, 0)))
+}
+
+// wakeOn wakes the endpoint's waiters when ctx ends; call the result to
+// stop watching.
+func (e *Endpoint) wakeOn(ctx context.Context) (stop func() bool) {
+	return context.AfterFunc(ctx, func() {
+		e.mu.Lock()
+		e.cond.Broadcast()
+		e.mu.Unlock()
+	})
+}
+
+// busyLocked reports whether work of requestID is queued or on the wire
+// on this path. Called with mu held.
+func (e *Endpoint) busyLocked(requestID uint64) bool {
+	if r := e.reqs[requestID]; r != nil && r.inflight > 0 {
+		return true
+	}
+	for _, w := range e.queue {
+		if st := w.s.State(); w.s.RequestID == requestID && (st == transport.StateQueued || st == transport.StateActive) {
+			return true
+		}
+	}
+	return false
 }
 
 // waitCond waits on the endpoint's condition for at most d (a NIC's room

@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine/memory"
-	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/verbs"
 )
 
@@ -180,12 +179,7 @@ func (e *Endpoint) Notify(ctx context.Context, requestID uint64, data []byte) er
 	if len(data) > MaxNotifyData {
 		return fmt.Errorf("rdma notify: %d bytes of data (at most %d)", len(data), MaxNotifyData)
 	}
-	stop := context.AfterFunc(ctx, func() {
-		e.mu.Lock()
-		e.cond.Broadcast()
-		e.mu.Unlock()
-	})
-	defer stop()
+	defer e.wakeOn(ctx)()
 	e.mu.Lock()
 	var p *pair
 	for {
@@ -198,16 +192,7 @@ func (e *Endpoint) Notify(ctx context.Context, requestID uint64, data []byte) er
 			e.mu.Unlock()
 			return fmt.Errorf("rdma notify: %w", ctx.Err())
 		}
-		busy := false
-		if r := e.reqs[requestID]; r != nil && r.inflight > 0 {
-			busy = true
-		}
-		for _, w := range e.queue {
-			if st := w.s.State(); w.s.RequestID == requestID && (st == transport.StateQueued || st == transport.StateActive) {
-				busy = true
-			}
-		}
-		if !busy {
+		if !e.busyLocked(requestID) {
 			for _, q := range e.pairs {
 				if q.healthy && q.inflight < q.nic.maxWR {
 					p = q
@@ -271,32 +256,23 @@ func (e *Endpoint) Notify(ctx context.Context, requestID uint64, data []byte) er
 // on this path (a notification sent afterwards on any path arrives after
 // the request's data).
 func (e *Endpoint) Quiet(ctx context.Context, requestID uint64) error {
-	stop := context.AfterFunc(ctx, func() {
-		e.mu.Lock()
-		e.cond.Broadcast()
-		e.mu.Unlock()
-	})
-	defer stop()
+	return e.waitIdle(ctx, requestID, true)
+}
+
+// waitIdle waits until no work of requestID is queued or on the wire here;
+// a dead path ends the wait early only when untilDead (a notification has
+// nothing to wait for there; a drain must see every completion).
+func (e *Endpoint) waitIdle(ctx context.Context, requestID uint64, untilDead bool) error {
+	defer e.wakeOn(ctx)()
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for {
-		busy := false
-		if r := e.reqs[requestID]; r != nil && r.inflight > 0 {
-			busy = true
-		}
-		for _, w := range e.queue {
-			if st := w.s.State(); w.s.RequestID == requestID && (st == transport.StateQueued || st == transport.StateActive) {
-				busy = true
-			}
-		}
-		if !busy || e.dead {
-			return nil
-		}
+	for e.busyLocked(requestID) && !(untilDead && e.dead) {
 		if ctx.Err() != nil {
 			return fmt.Errorf("rdma: wait for request %d: %w", requestID, ctx.Err())
 		}
 		e.cond.Wait()
 	}
+	return nil
 }
 
 // sendCtx is a notification SEND in flight.
