@@ -26,18 +26,7 @@ func rdmaOpts(t *testing.T, o engine.Options) engine.Options {
 	return o
 }
 
-// fakeControl sends a fault command to the fake provider of this process.
-func fakeControl(t *testing.T, cmd string) {
-	t.Helper()
-	lib, err := verbs.Open(fakeverbs.Path(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := lib.Control(cmd); err != nil {
-		t.Fatalf("fakeverbs_control(%q): %v", cmd, err)
-	}
-	t.Cleanup(func() { _ = lib.Control("reset") })
-}
+func fakeControl(t *testing.T, cmd string) { fakeverbs.Control(t, cmd) }
 
 func TestRDMAOverFakeMovesDataBothWays(t *testing.T) {
 	owner := newEngineWith(t, rdmaOpts(t, engine.Options{}))

@@ -13,6 +13,8 @@ import (
 	"runtime"
 	"sync"
 	"testing"
+
+	"github.com/kvferry/kvferry/verbs"
 )
 
 var (
@@ -63,4 +65,18 @@ func UseFabric() (cleanup func()) {
 	name := fmt.Sprintf("/kvferry-fakeverbs-test-%d", os.Getpid())
 	_ = os.Setenv("FAKEVERBS_FABRIC", name)
 	return func() { _ = os.Remove("/dev/shm" + name) }
+}
+
+// Control gives the fake libibverbs of this process a fault command (see
+// tests/fakeverbs/README.md); the faults are reset when the test ends.
+func Control(t testing.TB, cmd string) {
+	t.Helper()
+	lib, err := verbs.Open(Path(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := lib.Control(cmd); err != nil {
+		t.Fatalf("fakeverbs_control(%q): %v", cmd, err)
+	}
+	t.Cleanup(func() { _ = lib.Control("reset") })
 }

@@ -20,22 +20,9 @@ import (
 
 	"github.com/kvferry/kvferry/engine"
 	"github.com/kvferry/kvferry/internal/fakeverbs"
-	"github.com/kvferry/kvferry/verbs"
 )
 
-// fakeControl gives the fake libibverbs of this process a fault command;
-// the faults are reset when the test ends.
-func fakeControl(t *testing.T, cmd string) {
-	t.Helper()
-	lib, err := verbs.Open(fakeverbs.Path(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := lib.Control(cmd); err != nil {
-		t.Fatalf("fakeverbs_control(%q): %v", cmd, err)
-	}
-	t.Cleanup(func() { _ = lib.Control("reset") })
-}
+func fakeControl(t *testing.T, cmd string) { fakeverbs.Control(t, cmd) }
 
 // delayFaults slows every chunk decode's NICs (fake0, fake1) place by us
 // microseconds, after the first chunk of each WRITE.
