@@ -74,12 +74,15 @@ type Endpoint struct {
 	dead     bool
 	deadErr  error
 	finished chan struct{} // closed when the first Abort returns
-	rr       int
-	noPath   time.Time // since when no pair was healthy
-	done     chan struct{}
-	resets   sync.WaitGroup
-	ctx      context.Context
-	cancel   context.CancelFunc
+
+	rankMu    sync.Mutex
+	rankCache map[[2]string][2][]int // NIC ranks per (local, remote) location
+	rr        int
+	noPath    time.Time // since when no pair was healthy
+	done      chan struct{}
+	resets    sync.WaitGroup
+	ctx       context.Context
+	cancel    context.CancelFunc
 }
 
 // Dial connects to the owner whose segment name is addr's peer: it asks
@@ -522,6 +525,35 @@ func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, error) {
 	return kr, nil
 }
 
+// ranks returns, per local NIC and per owner NIC, its rank in the
+// preference of memory at localLoc and at remoteLoc; computed once per
+// pair of locations, not per slice.
+func (e *Endpoint) ranks(localLoc, remoteLoc string) (local, remote []int) {
+	k := [2]string{localLoc, remoteLoc}
+	e.rankMu.Lock()
+	defer e.rankMu.Unlock()
+	if r, ok := e.rankCache[k]; ok {
+		return r[0], r[1]
+	}
+	local = make([]int, len(e.t.nics))
+	for r, i := range topo.Preference(localLoc, -1, e.t.topoNICs()) {
+		local[i] = r
+	}
+	remote = make([]int, len(e.info.NICs))
+	m, ok := e.info.Matrix[remoteLoc]
+	if !ok {
+		m = e.info.Matrix["cpu"]
+	}
+	for r, i := range m {
+		remote[i] = r
+	}
+	if e.rankCache == nil || len(e.rankCache) > 256 {
+		e.rankCache = map[[2]string][2][]int{}
+	}
+	e.rankCache[k] = [2][]int{local, remote}
+	return local, remote
+}
+
 // pick chooses a healthy pair by the NIC preference of both ends' memory,
 // rotating among equally good ones; nil when none is healthy.
 func (e *Endpoint) pick(s *transport.Slice, kr *keysReply) *pair {
@@ -529,21 +561,7 @@ func (e *Endpoint) pick(s *transport.Slice, kr *keysReply) *pair {
 	if s.LocalReg != nil && s.LocalReg.Location != "" {
 		localLoc = s.LocalReg.Location
 	}
-	lpref := topo.Preference(localLoc, -1, e.t.topoNICs())
-	lrank := make([]int, len(e.t.nics))
-	for r, i := range lpref {
-		lrank[i] = r
-	}
-	rrank := make([]int, len(e.info.NICs))
-	if m, ok := e.info.Matrix[kr.Location]; ok {
-		for r, i := range m {
-			rrank[i] = r
-		}
-	} else if m, ok := e.info.Matrix["cpu"]; ok {
-		for r, i := range m {
-			rrank[i] = r
-		}
-	}
+	lrank, rrank := e.ranks(localLoc, kr.Location)
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.dead {
