@@ -4,6 +4,8 @@ import (
 	"encoding/binary"
 	"fmt"
 	"sort"
+
+	"github.com/kvferry/kvferry/internal/wire"
 )
 
 // Descriptor is what a peer needs to reach a segment: its registered
@@ -109,85 +111,35 @@ func appendString(out []byte, s string) []byte {
 	return append(out, s...)
 }
 
-type reader struct {
-	b   []byte
-	err error
-}
-
-func (r *reader) take(n int) []byte {
-	if r.err != nil {
-		return nil
-	}
-	if n > len(r.b) {
-		r.err = fmt.Errorf("%w: descriptor truncated", ErrMalformed)
-		return nil
-	}
-	v := r.b[:n]
-	r.b = r.b[n:]
-	return v
-}
-
-func (r *reader) u8() uint8 {
-	if v := r.take(1); v != nil {
-		return v[0]
-	}
-	return 0
-}
-
-func (r *reader) u16() uint16 {
-	if v := r.take(2); v != nil {
-		return binary.LittleEndian.Uint16(v)
-	}
-	return 0
-}
-
-func (r *reader) u32() uint32 {
-	if v := r.take(4); v != nil {
-		return binary.LittleEndian.Uint32(v)
-	}
-	return 0
-}
-
-func (r *reader) u64() uint64 {
-	if v := r.take(8); v != nil {
-		return binary.LittleEndian.Uint64(v)
-	}
-	return 0
-}
-
-func (r *reader) str() string {
-	return string(r.take(int(r.u8())))
-}
-
 // DecodeDescriptor parses and validates a descriptor: counts are checked
 // against the bytes left before anything is allocated, buffers must be
 // non-empty, sorted, non-overlapping and not wrap.
 func DecodeDescriptor(b []byte) (*Descriptor, error) {
-	r := reader{b: b}
-	if m := r.u16(); r.err == nil && m != descMagic {
+	r := wire.Reader{B: b, Malformed: fmt.Errorf("%w: descriptor", ErrMalformed)}
+	if m := r.U16(); r.Err == nil && m != descMagic {
 		return nil, fmt.Errorf("%w: descriptor magic %#x", ErrMalformed, m)
 	}
-	d := &Descriptor{Version: r.u16(), Epoch: r.u64(), Name: r.str()}
-	if r.err == nil && d.Version != ProtocolVersion {
+	d := &Descriptor{Version: r.U16(), Epoch: r.U64(), Name: r.Str(255)}
+	if r.Err == nil && d.Version != ProtocolVersion {
 		return nil, fmt.Errorf("%w: descriptor version %d, want %d", ErrMalformed, d.Version, ProtocolVersion)
 	}
-	nt := int(r.u8())
+	nt := int(r.U8())
 	if nt > maxTransports {
 		return nil, fmt.Errorf("%w: %d transports", ErrMalformed, nt)
 	}
-	for i := 0; i < nt && r.err == nil; i++ {
-		d.Transports = append(d.Transports, TransportAddr{Name: r.str(), Addr: r.str()})
+	for i := 0; i < nt && r.Err == nil; i++ {
+		d.Transports = append(d.Transports, TransportAddr{Name: r.Str(255), Addr: r.Str(255)})
 	}
-	nb := int(r.u32())
-	if r.err == nil && (nb > maxBuffers || nb*bufferMinSize > len(r.b)) {
-		return nil, fmt.Errorf("%w: %d buffers in %d bytes", ErrMalformed, nb, len(r.b))
+	nb := int(r.U32())
+	if r.Err == nil && (nb > maxBuffers || nb*bufferMinSize > len(r.B)) {
+		return nil, fmt.Errorf("%w: %d buffers in %d bytes", ErrMalformed, nb, len(r.B))
 	}
-	if r.err == nil {
+	if r.Err == nil {
 		d.Buffers = make([]Buffer, 0, nb)
 	}
-	for i := 0; i < nb && r.err == nil; i++ {
-		buf := Buffer{Addr: r.u64(), Len: r.u64(), Key: r.u64(), Location: r.str()}
-		if r.err != nil {
+	for i := 0; i < nb && r.Err == nil; i++ {
+		buf := Buffer{Addr: r.U64(), Len: r.U64(), Key: r.U64(), Location: r.Str(255)}
+		if r.Err != nil {
 			break
 		}
 		if buf.Len == 0 || buf.Addr+buf.Len < buf.Addr {
@@ -201,11 +153,11 @@ func DecodeDescriptor(b []byte) (*Descriptor, error) {
 		}
 		d.Buffers = append(d.Buffers, buf)
 	}
-	if r.err != nil {
-		return nil, r.err
+	if r.Err != nil {
+		return nil, r.Err
 	}
-	if len(r.b) != 0 {
-		return nil, fmt.Errorf("%w: %d trailing bytes after descriptor", ErrMalformed, len(r.b))
+	if len(r.B) != 0 {
+		return nil, fmt.Errorf("%w: %d trailing bytes after descriptor", ErrMalformed, len(r.B))
 	}
 	return d, nil
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/kvferry/kvferry/engine/transport"
+	"github.com/kvferry/kvferry/internal/wire"
 )
 
 // The rdma transport's own messages ride the control plane as TRANSPORT
@@ -105,72 +106,14 @@ type keysReply struct {
 	Pieces   []piece
 }
 
-type reader struct {
-	b   []byte
-	err error
-}
-
-func (r *reader) take(n int) []byte {
-	if r.err != nil {
-		return nil
-	}
-	if n < 0 || len(r.b) < n {
-		r.err = fmt.Errorf("%w: truncated", errWire)
-		return nil
-	}
-	v := r.b[:n]
-	r.b = r.b[n:]
-	return v
-}
-
-func (r *reader) u8() uint8 {
-	if b := r.take(1); b != nil {
-		return b[0]
-	}
-	return 0
-}
-
-func (r *reader) u16() uint16 {
-	if b := r.take(2); b != nil {
-		return binary.LittleEndian.Uint16(b)
-	}
-	return 0
-}
-
-func (r *reader) u32() uint32 {
-	if b := r.take(4); b != nil {
-		return binary.LittleEndian.Uint32(b)
-	}
-	return 0
-}
-
-func (r *reader) u64() uint64 {
-	if b := r.take(8); b != nil {
-		return binary.LittleEndian.Uint64(b)
-	}
-	return 0
-}
-
-func (r *reader) str(limit int) string {
-	n := int(r.u8())
-	if n > limit {
-		r.err = fmt.Errorf("%w: string of %d bytes (at most %d)", errWire, n, limit)
-		return ""
-	}
-	return string(r.take(n))
-}
-
-func (r *reader) gid() (g [16]byte) {
-	copy(g[:], r.take(16))
+// readGID reads a 16-byte GID.
+func readGID(r *wire.Reader) (g [16]byte) {
+	copy(g[:], r.Take(16))
 	return g
 }
 
-func (r *reader) end() error {
-	if r.err == nil && len(r.b) != 0 {
-		r.err = fmt.Errorf("%w: %d trailing bytes", errWire, len(r.b))
-	}
-	return r.err
-}
+// newReader reads an rdma message.
+func newReader(b []byte) *wire.Reader { return &wire.Reader{B: b, Malformed: errWire} }
 
 func putStr(b []byte, s string) []byte {
 	b = append(b, byte(len(s)))
@@ -197,36 +140,36 @@ func (m *infoReply) encode() []byte {
 }
 
 func decodeInfo(body []byte) (*infoReply, error) {
-	r := &reader{b: body}
-	if r.u8() != kindInfo || r.u8() != wireVersion {
+	r := newReader(body)
+	if r.U8() != kindInfo || r.U8() != wireVersion {
 		return nil, fmt.Errorf("%w: not an info reply of version %d", errWire, wireVersion)
 	}
-	n := int(r.u8())
+	n := int(r.U8())
 	if n == 0 || n > maxNICs {
 		return nil, fmt.Errorf("%w: %d NICs", errWire, n)
 	}
 	m := &infoReply{NICs: make([]nicInfo, n), Matrix: map[string][]uint8{}}
 	for i := range m.NICs {
 		x := &m.NICs[i]
-		x.Name = r.str(maxName)
-		x.Port, x.Ethernet, x.MTU, x.GIDIndex = r.u8(), r.u8() == 1, r.u8(), r.u8()
-		x.LID = r.u16()
-		x.GID = r.gid()
-		x.NUMA = int16(r.u16())
-		x.PCI = r.str(maxName)
-		if r.err == nil && (x.MTU < 1 || x.MTU > 5) {
+		x.Name = r.Str(maxName)
+		x.Port, x.Ethernet, x.MTU, x.GIDIndex = r.U8(), r.U8() == 1, r.U8(), r.U8()
+		x.LID = r.U16()
+		x.GID = readGID(r)
+		x.NUMA = int16(r.U16())
+		x.PCI = r.Str(maxName)
+		if r.Err == nil && (x.MTU < 1 || x.MTU > 5) {
 			return nil, fmt.Errorf("%w: NIC %d has MTU code %d", errWire, i, x.MTU)
 		}
 	}
-	locs := int(r.u8())
+	locs := int(r.U8())
 	if locs > maxLocations {
 		return nil, fmt.Errorf("%w: %d locations", errWire, locs)
 	}
 	for range locs {
-		loc := r.str(maxName)
-		k := int(r.u8())
-		idx := r.take(k)
-		if r.err != nil {
+		loc := r.Str(maxName)
+		k := int(r.U8())
+		idx := r.Take(k)
+		if r.Err != nil {
 			break
 		}
 		for _, v := range idx {
@@ -236,7 +179,7 @@ func decodeInfo(body []byte) (*infoReply, error) {
 		}
 		m.Matrix[loc] = append([]uint8(nil), idx...)
 	}
-	if err := r.end(); err != nil {
+	if err := r.End(); err != nil {
 		return nil, err
 	}
 	return m, nil
@@ -257,27 +200,27 @@ func (m *connectReq) encode() []byte {
 }
 
 func decodeConnect(body []byte) (*connectReq, error) {
-	r := &reader{b: body}
-	if r.u8() != kindConnect || r.u8() != wireVersion {
+	r := newReader(body)
+	if r.U8() != kindConnect || r.U8() != wireVersion {
 		return nil, fmt.Errorf("%w: not a connect request of version %d", errWire, wireVersion)
 	}
-	m := &connectReq{Conn: r.u64()}
-	n := int(r.u8())
+	m := &connectReq{Conn: r.U64()}
+	n := int(r.U8())
 	if n == 0 || n > maxPairs {
 		return nil, fmt.Errorf("%w: %d pairs", errWire, n)
 	}
 	m.Pairs = make([]pairReq, n)
 	for i := range m.Pairs {
 		p := &m.Pairs[i]
-		p.Slot, p.Local, p.Remote, p.Ethernet, p.MTU = r.u8(), r.u8(), r.u8(), r.u8() == 1, r.u8()
-		p.QP.QPN, p.QP.PSN = r.u32(), r.u32()
-		p.LID = r.u16()
-		p.GID = r.gid()
-		if r.err == nil && (p.MTU < 1 || p.MTU > 5 || p.QP.QPN == 0 || p.QP.QPN > 0xffffff || p.QP.PSN > 0xffffff) {
+		p.Slot, p.Local, p.Remote, p.Ethernet, p.MTU = r.U8(), r.U8(), r.U8(), r.U8() == 1, r.U8()
+		p.QP.QPN, p.QP.PSN = r.U32(), r.U32()
+		p.LID = r.U16()
+		p.GID = readGID(r)
+		if r.Err == nil && (p.MTU < 1 || p.MTU > 5 || p.QP.QPN == 0 || p.QP.QPN > 0xffffff || p.QP.PSN > 0xffffff) {
 			return nil, fmt.Errorf("%w: pair %d: MTU code %d, QPN %#x, PSN %#x", errWire, i, p.MTU, p.QP.QPN, p.QP.PSN)
 		}
 	}
-	if err := r.end(); err != nil {
+	if err := r.End(); err != nil {
 		return nil, err
 	}
 	return m, nil
@@ -293,22 +236,22 @@ func (m *connectReply) encode() []byte {
 }
 
 func decodeConnectReply(body []byte, want int) (*connectReply, error) {
-	r := &reader{b: body}
-	if r.u8() != kindConnect || r.u8() != wireVersion {
+	r := newReader(body)
+	if r.U8() != kindConnect || r.U8() != wireVersion {
 		return nil, fmt.Errorf("%w: not a connect reply of version %d", errWire, wireVersion)
 	}
-	n := int(r.u8())
+	n := int(r.U8())
 	if n != want {
 		return nil, fmt.Errorf("%w: %d QPs for %d pairs", errWire, n, want)
 	}
 	m := &connectReply{QPs: make([]qpInfo, n)}
 	for i := range m.QPs {
-		m.QPs[i] = qpInfo{QPN: r.u32(), PSN: r.u32()}
-		if r.err == nil && (m.QPs[i].QPN == 0 || m.QPs[i].QPN > 0xffffff || m.QPs[i].PSN > 0xffffff) {
+		m.QPs[i] = qpInfo{QPN: r.U32(), PSN: r.U32()}
+		if r.Err == nil && (m.QPs[i].QPN == 0 || m.QPs[i].QPN > 0xffffff || m.QPs[i].PSN > 0xffffff) {
 			return nil, fmt.Errorf("%w: QP %d: QPN %#x PSN %#x", errWire, i, m.QPs[i].QPN, m.QPs[i].PSN)
 		}
 	}
-	if err := r.end(); err != nil {
+	if err := r.End(); err != nil {
 		return nil, err
 	}
 	return m, nil
@@ -325,12 +268,12 @@ func (m *keysReq) encode() []byte {
 }
 
 func decodeKeys(body []byte) (*keysReq, error) {
-	r := &reader{b: body}
-	if r.u8() != kindKeys || r.u8() != wireVersion {
+	r := newReader(body)
+	if r.U8() != kindKeys || r.U8() != wireVersion {
 		return nil, fmt.Errorf("%w: not a keys request of version %d", errWire, wireVersion)
 	}
-	m := &keysReq{Op: r.u8(), Key: r.u64(), RequestID: r.u64(), Generation: r.u32(), GrantID: r.u64(), Addr: r.u64(), Len: r.u64()}
-	if err := r.end(); err != nil {
+	m := &keysReq{Op: r.U8(), Key: r.U64(), RequestID: r.U64(), Generation: r.U32(), GrantID: r.U64(), Addr: r.U64(), Len: r.U64()}
+	if err := r.End(); err != nil {
 		return nil, err
 	}
 	return m, nil
@@ -376,15 +319,15 @@ func (m *keysReply) encode() []byte {
 // decodeKeysReply checks that the pieces tile [0, Len) in order, so a
 // bad reply cannot make the initiator write outside what the owner named.
 func decodeKeysReply(body []byte, wantNICs int) (*keysReply, error) {
-	r := &reader{b: body}
-	if r.u8() != kindKeys || r.u8() != wireVersion {
+	r := newReader(body)
+	if r.U8() != kindKeys || r.U8() != wireVersion {
 		return nil, fmt.Errorf("%w: not a keys reply of version %d", errWire, wireVersion)
 	}
-	switch st := r.u8(); st {
+	switch st := r.U8(); st {
 	case keysOK:
 	case keysRefused, keysAborted:
-		reason := r.str(255)
-		if err := r.end(); err != nil {
+		reason := r.Str(255)
+		if err := r.End(); err != nil {
 			return nil, err
 		}
 		if st == keysAborted {
@@ -394,26 +337,26 @@ func decodeKeysReply(body []byte, wantNICs int) (*keysReply, error) {
 	default:
 		return nil, fmt.Errorf("%w: keys status %d", errWire, st)
 	}
-	m := &keysReply{Addr: r.u64(), Len: r.u64(), Location: r.str(maxName)}
-	n := int(r.u16())
-	nics := int(r.u8())
-	if r.err != nil {
-		return nil, r.err
+	m := &keysReply{Addr: r.U64(), Len: r.U64(), Location: r.Str(maxName)}
+	n := int(r.U16())
+	nics := int(r.U8())
+	if r.Err != nil {
+		return nil, r.Err
 	}
 	if n == 0 || n > maxPieces || nics != wantNICs || m.Addr+m.Len < m.Addr || m.Len == 0 {
 		return nil, fmt.Errorf("%w: %d pieces on %d NICs (want %d) for [%#x, +%d)", errWire, n, nics, wantNICs, m.Addr, m.Len)
 	}
-	if len(r.b) < n*(16+4*nics) {
+	if len(r.B) < n*(16+4*nics) {
 		return nil, fmt.Errorf("%w: truncated pieces", errWire)
 	}
 	m.Pieces = make([]piece, n)
 	var next uint64
 	for i := range m.Pieces {
 		p := &m.Pieces[i]
-		p.Off, p.Len = r.u64(), r.u64()
+		p.Off, p.Len = r.U64(), r.U64()
 		p.RKeys = make([]uint32, nics)
 		for k := range p.RKeys {
-			p.RKeys[k] = r.u32()
+			p.RKeys[k] = r.U32()
 		}
 		if p.Off != next || p.Len == 0 || p.Len > m.Len-p.Off {
 			return nil, fmt.Errorf("%w: piece %d at +%d of %d bytes does not follow +%d within %d", errWire, i, p.Off, p.Len, next, m.Len)
@@ -423,7 +366,7 @@ func decodeKeysReply(body []byte, wantNICs int) (*keysReply, error) {
 	if next != m.Len {
 		return nil, fmt.Errorf("%w: pieces cover %d of %d bytes", errWire, next, m.Len)
 	}
-	if err := r.end(); err != nil {
+	if err := r.End(); err != nil {
 		return nil, err
 	}
 	return m, nil
