@@ -311,18 +311,7 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 		}
 		// A new request over the same path: once the prefill acknowledged
 		// the abort, decode admits its new QPs.
-		pc := pp.send(t, rid+1, 0, 1, 1, probeSize, []uint64{engine.AddrOf(probe)})
-		select {
-		case o := <-pc:
-			if o.status != engine.Completed.String() {
-				t.Errorf("a new request after the abort: %s", o.line)
-			}
-		case <-time.After(30 * time.Second):
-			t.Fatal("a new request after the abort did not complete within 30s")
-		}
-		if dmg := checkSlot(probe, holder{tag: rid + 1}, 0, nil); dmg.bad != 0 {
-			t.Errorf("a new request after the abort landed wrong: %d bad bytes", dmg.bad)
-		}
+		sendProbe(t, pp, rid+1, probe)
 		bye := pp.finish(t, 30*time.Second)
 		if bye["inflight"] != 0 || bye["abort_events"] != 1 {
 			t.Errorf("prefill: %d tasks in flight, %d abort events at the end; want 0 and 1", bye["inflight"], bye["abort_events"])
@@ -344,18 +333,7 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 		}
 		// Decode still serves: a new prefill writes a new request.
 		pp2 := startPrefill(t, pcfg, d.Name())
-		pc := pp2.send(t, rid+1, 0, 1, 1, probeSize, []uint64{engine.AddrOf(probe)})
-		select {
-		case o := <-pc:
-			if o.status != engine.Completed.String() {
-				t.Errorf("a new prefill's request after the kill: %s", o.line)
-			}
-		case <-time.After(30 * time.Second):
-			t.Fatal("a new prefill's request did not complete within 30s")
-		}
-		if dmg := checkSlot(probe, holder{tag: rid + 1}, 0, nil); dmg.bad != 0 {
-			t.Errorf("a new prefill's request landed wrong: %d bad bytes", dmg.bad)
-		}
+		sendProbe(t, pp2, rid+1, probe)
 		pp2.finish(t, 30*time.Second)
 	}
 

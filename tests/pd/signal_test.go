@@ -99,18 +99,7 @@ func testSignalAbort(t *testing.T, sig syscall.Signal) {
 		}
 		// A probe on the same path: frames of a path are handled in
 		// order, so once it completed nothing sent before it is left.
-		pc := pp.send(t, rid+1, 0, 1, 1, probeSize, []uint64{engine.AddrOf(probe)})
-		select {
-		case o := <-pc:
-			if o.status != engine.Completed.String() {
-				t.Errorf("probe after the abort: %s", o.line)
-			}
-		case <-time.After(30 * time.Second):
-			t.Fatal("probe did not complete within 30s")
-		}
-		if dmg := checkSlot(probe, holder{tag: rid + 1}, 0, nil); dmg.bad != 0 {
-			t.Errorf("probe landed wrong: %d bad bytes", dmg.bad)
-		}
+		sendProbe(t, pp, rid+1, probe)
 		st := d.Stats()
 		t.Logf("decode: %d MiB applied, refused %d (in flight %d)", st.OwnerBytesIn>>20, st.OwnerRefused, st.RefusedInFlight)
 		// Frames the prefill had sent before the pause were still waiting
@@ -158,18 +147,7 @@ func testSignalAbort(t *testing.T, sig syscall.Signal) {
 		}
 		// Decode still serves: a new prefill writes a new request.
 		pp2 := startPrefill(t, pcfg, d.Name())
-		pc := pp2.send(t, rid+1, 0, 1, 1, probeSize, []uint64{engine.AddrOf(probe)})
-		select {
-		case o := <-pc:
-			if o.status != engine.Completed.String() {
-				t.Errorf("a new prefill's request after the kill: %s", o.line)
-			}
-		case <-time.After(30 * time.Second):
-			t.Fatal("a new prefill's request did not complete within 30s")
-		}
-		if dmg := checkSlot(probe, holder{tag: rid + 1}, 0, nil); dmg.bad != 0 {
-			t.Errorf("a new prefill's request landed wrong: %d bad bytes", dmg.bad)
-		}
+		sendProbe(t, pp2, rid+1, probe)
 		pp2.finish(t, 30*time.Second)
 	}
 	if dmg := checkSlot(slot, mine, 0, []holder{{tag: rid}}); dmg.bad != 0 {
@@ -178,5 +156,23 @@ func testSignalAbort(t *testing.T, sig syscall.Signal) {
 	}
 	if st := d.Stats(); st.AbortsNotSafe != 0 || st.AbortsSafe != 1 {
 		t.Errorf("decode counted %d safe and %d unsafe aborts; want 1 and 0", st.AbortsSafe, st.AbortsNotSafe)
+	}
+}
+
+// sendProbe writes one page of request tag into probe through the prefill
+// and checks that it completes within 30 s and lands intact.
+func sendProbe(t *testing.T, pp *prefillProc, tag uint64, probe []byte) {
+	t.Helper()
+	pc := pp.send(t, tag, 0, 1, 1, len(probe), []uint64{engine.AddrOf(probe)})
+	select {
+	case o := <-pc:
+		if o.status != engine.Completed.String() {
+			t.Errorf("probe request %d: %s", tag, o.line)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatalf("probe request %d did not complete within 30s", tag)
+	}
+	if dmg := checkSlot(probe, holder{tag: tag}, 0, nil); dmg.bad != 0 {
+		t.Errorf("probe request %d landed wrong: %d bad bytes", tag, dmg.bad)
 	}
 }
