@@ -112,6 +112,20 @@ type Stage interface {
 	Release()
 }
 
+// StageCopy runs a Stage's Fill or Flush inside the target's guard, so a
+// staging copy into or out of owner memory obeys aborts and unregistration
+// like any chunk: it does not start once they struck, and they wait for it.
+func StageCopy(g Guard, copy func() error) error {
+	if err := g.Enter(); err != nil {
+		return err
+	}
+	defer g.Leave()
+	if err := copy(); err != nil {
+		return fmt.Errorf("%w: staging copy: %w", ErrRefused, err)
+	}
+	return nil
+}
+
 // DirectGPU is an optional ability of endpoints that move GPU memory
 // without host staging (rdma with GPUDirect registration): the engine
 // stages GPU slices through host memory for the others.

@@ -17,11 +17,38 @@ import (
 	"github.com/kvferry/kvferry/verbs"
 )
 
-var (
-	once    sync.Once
-	path    string
-	buildEr error
-)
+// fake is one fake library, built at most once per process.
+type fake struct {
+	once sync.Once
+	lib  string
+	err  error
+}
+
+// path builds `make target` once and returns build/<target>/<file>. A
+// failed build fails the test: the fakes are part of the tree.
+func (f *fake) path(t testing.TB, target, file string) string {
+	t.Helper()
+	f.once.Do(func() {
+		root := Root()
+		lib := filepath.Join(root, "build", target, file)
+		out, err := exec.Command("make", "-C", root, "--no-print-directory", "-s", target).CombinedOutput()
+		if err != nil {
+			f.err = fmt.Errorf("make %s: %v\n%s", target, err, out)
+			return
+		}
+		if _, err := os.Stat(lib); err != nil {
+			f.err = fmt.Errorf("make %s left no %s: %w", target, lib, err)
+			return
+		}
+		f.lib = lib
+	})
+	if f.err != nil {
+		t.Fatalf("the fake library: %v", f.err)
+	}
+	return f.lib
+}
+
+var verbsLib fake
 
 // Root is the repository root.
 func Root() string {
@@ -29,29 +56,9 @@ func Root() string {
 	return filepath.Join(filepath.Dir(file), "..", "..")
 }
 
-// Path returns the fake library, built once per process with `make
-// fakeverbs`. A failed build fails the test: the fake is part of the tree.
-func Path(t testing.TB) string {
-	t.Helper()
-	once.Do(func() {
-		root := Root()
-		lib := filepath.Join(root, "build", "fakeverbs", "libibverbs.so.1")
-		out, err := exec.Command("make", "-C", root, "--no-print-directory", "-s", "fakeverbs").CombinedOutput()
-		if err != nil {
-			buildEr = fmt.Errorf("make fakeverbs: %v\n%s", err, out)
-			return
-		}
-		if _, err := os.Stat(lib); err != nil {
-			buildEr = fmt.Errorf("make fakeverbs left no %s: %w", lib, err)
-			return
-		}
-		path = lib
-	})
-	if buildEr != nil {
-		t.Fatalf("the fake libibverbs: %v", buildEr)
-	}
-	return path
-}
+// Path returns the fake libibverbs, built once per process with `make
+// fakeverbs`.
+func Path(t testing.TB) string { return verbsLib.path(t, "fakeverbs", "libibverbs.so.1") }
 
 // UseFabric points this process (and the children it starts afterwards)
 // at a fake fabric of its own, named after the process, so parallel test

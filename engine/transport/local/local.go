@@ -128,13 +128,8 @@ func (ep *endpoint) copy(s *transport.Slice) error {
 		// flushed (WRITE) whole inside the guard.
 		defer tgt.Stage.Release()
 		if s.Op == transport.Read {
-			if err := g.Enter(); err != nil {
+			if err := transport.StageCopy(g, tgt.Stage.Fill); err != nil {
 				return fmt.Errorf("%w: %w", transport.ErrRefused, err)
-			}
-			err := tgt.Stage.Fill()
-			g.Leave()
-			if err != nil {
-				return fmt.Errorf("%w: staging copy: %w", transport.ErrRefused, err)
 			}
 		}
 	}
@@ -159,13 +154,8 @@ func (ep *endpoint) copy(s *transport.Slice) error {
 		g.Leave()
 	}
 	if tgt.Stage != nil && s.Op == transport.Write {
-		if err := g.Enter(); err != nil {
+		if err := transport.StageCopy(g, tgt.Stage.Flush); err != nil {
 			return fmt.Errorf("%w: %w", transport.ErrRefused, err)
-		}
-		err := tgt.Stage.Flush()
-		g.Leave()
-		if err != nil {
-			return fmt.Errorf("%w: staging copy: %w", transport.ErrRefused, err)
 		}
 	}
 	return nil

@@ -222,13 +222,8 @@ func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 		// finds the copy done or stops it before it starts.
 		applied := 0
 		if refusal == nil && landed == len(tgt.Mem) {
-			if refusal = tgt.Guard.Enter(); refusal == nil {
-				if ferr := tgt.Stage.Flush(); ferr != nil {
-					refusal = fmt.Errorf("%w: staging copy: %w", transport.ErrRefused, ferr)
-				} else {
-					applied = landed
-				}
-				tgt.Guard.Leave()
+			if refusal = transport.StageCopy(tgt.Guard, tgt.Stage.Flush); refusal == nil {
+				applied = landed
 			}
 		}
 		landed = applied
@@ -330,15 +325,13 @@ func (c *ownerConn) serveReads(first *header, initiator string) error {
 // enterAndFill checks a READ target's guard and, for staged (GPU) memory,
 // copies it into its staging buffer inside the guard.
 func enterAndFill(tgt transport.Target) error {
+	if tgt.Stage != nil {
+		return transport.StageCopy(tgt.Guard, tgt.Stage.Fill)
+	}
 	if err := tgt.Guard.Enter(); err != nil {
 		return err
 	}
-	defer tgt.Guard.Leave()
-	if tgt.Stage != nil {
-		if err := tgt.Stage.Fill(); err != nil {
-			return fmt.Errorf("%w: staging copy: %w", transport.ErrRefused, err)
-		}
-	}
+	tgt.Guard.Leave()
 	return nil
 }
 
