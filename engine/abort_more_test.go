@@ -1069,7 +1069,7 @@ func TestAbortScenariosLeakNoGoroutinesOrFileDescriptors(t *testing.T) {
 		t.Helper()
 		const blk, n = 256 << 10, 8
 		mk := func(opts engine.Options) *engine.Engine {
-			opts.IgnoreEnv = true
+			opts.IgnoreEnv, opts.Protocol = true, "tcp"
 			e, err := engine.New(opts)
 			if err != nil {
 				t.Fatal(err)

@@ -16,6 +16,9 @@ import (
 func benchPair(b *testing.B, opts engine.Options, n int) (*engine.Engine, []byte, *engine.Segment, uint64) {
 	b.Helper()
 	opts.IgnoreEnv = true
+	if opts.Protocol == "" {
+		opts.Protocol = "tcp"
+	}
 	a, err := engine.New(opts)
 	if err != nil {
 		b.Fatal(err)
@@ -107,7 +110,7 @@ func BenchmarkSliceSize(b *testing.B) {
 func BenchmarkLocal(b *testing.B) {
 	for _, batch := range []int{1, 64, 1024} {
 		b.Run(fmt.Sprintf("batch%d_64B", batch), func(b *testing.B) {
-			e, err := engine.New(engine.Options{IgnoreEnv: true})
+			e, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp"})
 			if err != nil {
 				b.Fatal(err)
 			}

@@ -317,6 +317,10 @@ type Stats struct {
 	RDMANotifications uint64 // notifications received in-band
 	RDMAGPUDmabuf     uint64 // GPU memory registrations through dma-buf
 	RDMAGPUPeermem    uint64 // GPU memory registrations as is (nvidia-peermem)
+	RDMAStalls        uint64 // NIC paths broken because no work request completed within RDMACompletionTimeout
+	// RDMAPostedByNIC counts work requests posted per local NIC port
+	// ("name:port"): how work stripes across NICs.
+	RDMAPostedByNIC map[string]uint64
 }
 
 // Stats returns a snapshot of the counters.
@@ -342,6 +346,7 @@ func (e *Engine) Stats() Stats {
 		RDMANICs: nics, RDMAWorkRequests: rs2.Posted, RDMAErrorWCs: rs2.ErrorCompletions,
 		RDMAFailovers: rs2.Failovers, RDMAFences: rs2.Fences, RDMAFencesPending: nfenced,
 		RDMANotifications: rs2.Notifies, RDMAGPUDmabuf: rs2.DmabufMRs, RDMAGPUPeermem: rs2.PeermemMRs,
+		RDMAStalls: rs2.Stalls, RDMAPostedByNIC: rs2.PostedByNIC,
 		AbortsSafe: e.stats.abortsSafe.Load(), AbortsNotSafe: e.stats.abortsNotSafe.Load(),
 		AbortAcks: e.stats.abortAcks.Load(), AcksUnmatched: e.stats.acksUnmatched.Load(),
 		AbortResends: e.stats.abortResends.Load(), Tombstones: rs.Tombstones, Grants: rs.Grants,

@@ -11,7 +11,7 @@ import (
 
 func newEngine(t *testing.T) *engine.Engine {
 	t.Helper()
-	e, err := engine.New(engine.Options{IgnoreEnv: true})
+	e, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp"})
 	if err != nil {
 		t.Fatalf("new engine: %v", err)
 	}

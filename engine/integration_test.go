@@ -24,10 +24,15 @@ import (
 // Helpers shared by integration_test.go and process_test.go.
 
 // newEngineWith starts an engine with opts (IgnoreEnv forced) and closes it
-// when the test ends.
+// when the test ends. Its transport is tcp unless opts names one: tests
+// that state tcp's properties must hold on a machine with RDMA devices
+// too, where "auto" would pick rdma.
 func newEngineWith(t *testing.T, opts engine.Options) *engine.Engine {
 	t.Helper()
 	opts.IgnoreEnv = true
+	if opts.Protocol == "" {
+		opts.Protocol = "tcp"
+	}
 	e, err := engine.New(opts)
 	if err != nil {
 		t.Fatalf("new engine: %v", err)
@@ -847,12 +852,12 @@ func countFDs(t *testing.T) (int, []string) {
 func TestEnginesLeakNoGoroutinesOrFileDescriptors(t *testing.T) {
 	cycle := func() {
 		t.Helper()
-		a, err := engine.New(engine.Options{IgnoreEnv: true})
+		a, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp"})
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer a.Close()
-		b, err := engine.New(engine.Options{IgnoreEnv: true})
+		b, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp"})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -21,6 +21,8 @@ import (
 //	RDMALibrary        KVFERRY_IBVERBS_LIBRARY      libibverbs.so.1
 //	RDMADevices        KVFERRY_RDMA_DEVICES         "" (every active port)
 //	RDMANoFence        KVFERRY_RDMA_FENCE=0         false (the owner-side QP fence is on)
+//	RDMARetryCount     KVFERRY_RDMA_RETRY_COUNT     6 (at most 6)
+//	RDMACompletionTimeout KVFERRY_RDMA_COMPLETION_TIMEOUT_MS 30000
 //	CUDALibrary        KVFERRY_CUDA_LIBRARY         libcuda.so.1 (loaded on first use of GPU memory)
 //	SliceSize          KVFERRY_SLICE_SIZE           1 MiB
 //	PathsPerPeer       KVFERRY_PATHS_PER_PEER       4
@@ -59,6 +61,19 @@ type Options struct {
 	// a drained ABORT_ACK. With the fence (the default) the owner moves
 	// the initiators' QPs to the error state and needs no ACK.
 	RDMANoFence bool
+	// RDMARetryCount is the RC transport retry count of rdma QPs: how often
+	// a NIC resends a packet the peer did not acknowledge before it fails
+	// the work request (retry exceeded) and kvferry moves the work to
+	// another NIC path. 1 to 6; 0 takes 6. 7 is refused: the verbs
+	// specification allows it, but soft-RoCE (rxe) reads it as "retry
+	// for ever", so a fenced or dead peer would never fail the request.
+	RDMARetryCount int
+	// RDMACompletionTimeout bounds how long an rdma NIC path may hold
+	// work requests without a single completion: past it the path is
+	// declared broken (its QP goes to the error state, which flushes what
+	// was posted) and its work moves to another path, so that a provider
+	// or peer that never answers cannot make a wait last for ever.
+	RDMACompletionTimeout time.Duration
 	// CUDALibrary is the CUDA driver loaded, at run time, the first time
 	// GPU memory is registered ("cuda:N", or "*" to detect).
 	CUDALibrary string
@@ -185,6 +200,7 @@ func (o *Options) applyEnv() error {
 		{"KVFERRY_PORT", &o.Port}, {"KVFERRY_SLICE_SIZE", &o.SliceSize}, {"KVFERRY_PATHS_PER_PEER", &o.PathsPerPeer},
 		{"KVFERRY_MAX_RETRIES", &o.MaxRetries}, {"KVFERRY_HEARTBEAT_MISSES", &o.HeartbeatMisses},
 		{"KVFERRY_TOMBSTONES", &o.MaxTombstones}, {"KVFERRY_EVENT_QUEUE", &o.EventQueue},
+		{"KVFERRY_RDMA_RETRY_COUNT", &o.RDMARetryCount},
 	} {
 		if err := num(f.name, f.dst); err != nil {
 			return err
@@ -196,7 +212,7 @@ func (o *Options) applyEnv() error {
 	}{
 		{"KVFERRY_TIMEOUT_MS", &o.DefaultTimeout}, {"KVFERRY_IO_TIMEOUT_MS", &o.IOTimeout},
 		{"KVFERRY_HEARTBEAT_MS", &o.HeartbeatInterval}, {"KVFERRY_ABORT_DRAIN_MS", &o.AbortDrainTimeout},
-		{"KVFERRY_TOMBSTONE_TTL_MS", &o.TombstoneTTL},
+		{"KVFERRY_TOMBSTONE_TTL_MS", &o.TombstoneTTL}, {"KVFERRY_RDMA_COMPLETION_TIMEOUT_MS", &o.RDMACompletionTimeout},
 	} {
 		if err := ms(f.name, f.dst); err != nil {
 			return err
@@ -256,6 +272,13 @@ func (o *Options) fill() error {
 		o.HeartbeatMisses = 5
 	}
 	def(&o.AbortDrainTimeout, 5*time.Second)
+	def(&o.RDMACompletionTimeout, 30*time.Second)
+	if o.RDMARetryCount == 0 {
+		o.RDMARetryCount = 6
+	}
+	if o.RDMARetryCount < 1 || o.RDMARetryCount > 6 {
+		return fmt.Errorf("rdma retry count %d: want 1 to 6 (7 means \"for ever\" to some providers)", o.RDMARetryCount)
+	}
 	def(&o.TombstoneTTL, 10*time.Minute)
 	if o.MaxTombstones <= 0 {
 		o.MaxTombstones = 1 << 16

@@ -63,7 +63,7 @@ func runHelper(mode string) int {
 		}
 	}
 	cudaLib := os.Getenv(cudaEnv)
-	e, err := engine.New(engine.Options{IgnoreEnv: true, CUDALibrary: cudaLib})
+	e, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp", CUDALibrary: cudaLib})
 	if err != nil {
 		return fail("new engine: %v", err)
 	}
@@ -507,7 +507,7 @@ func TestCloseAfterTimeoutAgainstStoppedPeerLeavesNothingRunning(t *testing.T) {
 
 	// A short I/O timeout makes the blocked paths fail (and be redialed)
 	// while the transfer is still in flight.
-	a, err := engine.New(engine.Options{IgnoreEnv: true, IOTimeout: 300 * time.Millisecond})
+	a, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp", IOTimeout: 300 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -20,6 +20,7 @@ func (e *Engine) startRDMA() error {
 		Library: e.opts.RDMALibrary, Devices: e.opts.RDMADevices, Exchange: e.exchange,
 		AdmitInitiator: e.admitInitiator, Fence: !e.opts.RDMANoFence, Logger: e.log,
 		OnNotify: e.notified, DmaBuf: e.dmaBuf,
+		RetryCount: uint8(e.opts.RDMARetryCount), CompletionTimeout: e.opts.RDMACompletionTimeout,
 	})
 	if err != nil {
 		if e.opts.Protocol == "rdma" {

@@ -1,14 +1,20 @@
 package engine_test
 
-// The engine over rdma, on the fake libibverbs (tests/fakeverbs): transfers,
-// transport selection, clean errors without RDMA, failover between NIC
-// paths, and SAFETY.md's fake-rdma rows in one process (tests/pd runs them
-// across two processes, with the initiator stopped).
+// The engine over rdma, on the fake libibverbs (tests/fakeverbs) or, with
+// KVFERRY_TEST_RDMA=1, on this machine's RDMA devices (tests/rxe runs them
+// on soft-RoCE): transfers striped across NIC pairs, transport selection,
+// clean errors without RDMA, failover between NIC paths, and SAFETY.md's
+// fake-rdma rows in one process (tests/pd runs them across two processes,
+// with the initiator stopped). Tests that need the fake's fault injection
+// skip on real devices, saying so.
 
 import (
 	"bytes"
 	"errors"
+	"fmt"
 
+	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -22,13 +28,26 @@ import (
 func rdmaOpts(t *testing.T, o engine.Options) engine.Options {
 	t.Helper()
 	o.Protocol = "rdma"
-	o.RDMALibrary = fakeverbs.Path(t)
+	o.RDMALibrary = fakeverbs.Library(t)
+	if o.RDMADevices == "" {
+		o.RDMADevices = fakeverbs.Devices("")
+	}
 	return o
 }
 
-func fakeControl(t *testing.T, cmd string) { fakeverbs.Control(t, cmd) }
+// fakeControl gives the fake a fault command; on real devices the test is
+// skipped (a skip, not a pass: real devices take no fault commands).
+func fakeControl(t *testing.T, cmd string) {
+	t.Helper()
+	fakeverbs.NeedFake(t, "fault injection: "+cmd)
+	fakeverbs.Control(t, cmd)
+}
 
-func TestRDMAOverFakeMovesDataBothWays(t *testing.T) {
+// Data both ways over rdma, with every byte checked, and the slices spread
+// across every local NIC: all NICs are equally good for "cpu" memory (the
+// fake's and soft-RoCE's alike), so no NIC may sit idle while another
+// carries everything.
+func TestRDMAMovesDataBothWaysStripedAcrossNICs(t *testing.T) {
 	owner := newEngineWith(t, rdmaOpts(t, engine.Options{}))
 	init := newEngineWith(t, rdmaOpts(t, engine.Options{}))
 	const size = 24 << 20
@@ -43,8 +62,20 @@ func TestRDMAOverFakeMovesDataBothWays(t *testing.T) {
 	if st.RDMANICs == 0 || st.RDMAWorkRequests == 0 {
 		t.Fatalf("stats %+v: the transfer did not go over rdma", st)
 	}
-	if a, ok := seg.Descriptor().Transport("rdma"); !ok || !strings.HasPrefix(a, "nics=fake0:1,fake1:1;cpu=") {
+	want := "nics=fake0:1,fake1:1;cpu="
+	if fakeverbs.Real() {
+		want = "nics="
+	}
+	if a, ok := seg.Descriptor().Transport("rdma"); !ok || !strings.HasPrefix(a, want) || !strings.Contains(a, ";cpu=") {
 		t.Errorf("the descriptor's rdma entry is %q; want the NICs and their preference per location", a)
+	}
+	t.Logf("work requests per NIC: %v", st.RDMAPostedByNIC)
+	if len(st.RDMAPostedByNIC) > 1 {
+		for nic, n := range st.RDMAPostedByNIC {
+			if n == 0 {
+				t.Errorf("NIC %s posted no work request of %d (%v): equally good NICs must share the work", nic, st.RDMAWorkRequests, st.RDMAPostedByNIC)
+			}
+		}
 	}
 	if o := owner.Stats(); o.OwnerBytesIn != 0 {
 		t.Errorf("owner counted %d bytes in: its code copied, so tcp carried the data", o.OwnerBytesIn)
@@ -54,7 +85,7 @@ func TestRDMAOverFakeMovesDataBothWays(t *testing.T) {
 
 func TestRDMAAutoFallsBackToTCPWithAPeerWithoutRDMA(t *testing.T) {
 	owner := newEngineWith(t, engine.Options{Protocol: "tcp"})
-	init := newEngineWith(t, engine.Options{Protocol: "auto", RDMALibrary: fakeverbs.Path(t)})
+	init := newEngineWith(t, engine.Options{Protocol: "auto", RDMALibrary: fakeverbs.Library(t), RDMADevices: fakeverbs.Devices("")})
 	dst, src := alloc(t, owner, 1<<20), alloc(t, init, 1<<20)
 	fillPattern(src, 2)
 	seg := openSegment(t, init, owner.Name())
@@ -83,6 +114,7 @@ func TestRDMAMissingLibraryIsACleanError(t *testing.T) {
 }
 
 func TestRDMANoDeviceListsWhatWasSearched(t *testing.T) {
+	fakeverbs.NeedFake(t, "it names the fake's devices")
 	// The fake's devices all filtered out.
 	_, err := engine.New(rdmaOpts(t, engine.Options{IgnoreEnv: true, RDMADevices: "=mlx5_9"}))
 	if !errors.Is(err, verbs.ErrNoDevice) || !strings.Contains(err.Error(), "fake0:1 (filtered out)") || !strings.Contains(err.Error(), `filter "=mlx5_9"`) {
@@ -238,5 +270,74 @@ func TestRDMADrainDoesNotTrustFlushedWork(t *testing.T) {
 	t.Logf("task %v; %d bytes had landed at the cancel, %d later; abort %+v", r.Status, landedAtCancel, later, res)
 	if res.Safe {
 		t.Fatalf("abort reported Safe on a drain that rested on flushed work requests")
+	}
+}
+
+// On real devices, a link under a transfer goes down (tests/rxe runs
+// KVFERRY_TEST_RDMA_LINK_DOWN, which takes one veth of its soft-RoCE pair
+// down, and KVFERRY_TEST_RDMA_LINK_UP afterwards): the NIC pairs across it
+// fail for real (retries exceeded, flushes), their slices move to the
+// pairs left, and the transfer completes with every byte right. On the
+// fake, TestRDMAFailoverToAnotherNICPathCompletesTheTransfer shows it.
+func TestRDMAFailoverWhenALinkGoesDown(t *testing.T) {
+	down, up := os.Getenv("KVFERRY_TEST_RDMA_LINK_DOWN"), os.Getenv("KVFERRY_TEST_RDMA_LINK_UP")
+	if !fakeverbs.Real() || down == "" || up == "" {
+		t.Skip("needs real RDMA devices (KVFERRY_TEST_RDMA=1) and KVFERRY_TEST_RDMA_LINK_DOWN/_UP commands, which tests/rxe sets")
+	}
+	owner := newEngineWith(t, rdmaOpts(t, engine.Options{}))
+	init := newEngineWith(t, rdmaOpts(t, engine.Options{PathsPerPeer: 1}))
+	const size = 64 << 20
+	dst, src := alloc(t, owner, size), alloc(t, init, size)
+	fillPattern(src, 5)
+	seg := openSegment(t, init, owner.Name())
+	b := submit(t, init, write(src, seg, engine.AddrOf(dst), size))
+	waitFor(t, 30*time.Second, "first slice landed", func() bool { return bytes.Equal(dst[:64<<10], src[:64<<10]) })
+	if out, err := exec.Command("sh", "-c", down).CombinedOutput(); err != nil {
+		t.Fatalf("%s: %v: %s", down, err, out)
+	}
+	t.Cleanup(func() {
+		if out, err := exec.Command("sh", "-c", up).CombinedOutput(); err != nil {
+			t.Errorf("%s: %v: %s", up, err, out)
+		}
+	})
+	r := waitBatch(t, b, 120*time.Second)[0]
+	if r.Status != engine.Completed {
+		t.Fatalf("transfer ended %v after the link went down: %v", r.Status, r.Err)
+	}
+	requireEqual(t, "owner memory after the link went down", dst, src)
+	st := init.Stats()
+	t.Logf("error completions %d, failovers %d, stalls %d, engine retries %d, work requests per NIC %v",
+		st.RDMAErrorWCs, st.RDMAFailovers, st.RDMAStalls, st.Retries, st.RDMAPostedByNIC)
+	if st.RDMAFailovers == 0 && st.Retries == 0 {
+		t.Fatal("no NIC path failed and nothing was retried: the transfer ended before the link went down, so no failover was shown")
+	}
+}
+
+// A NIC path whose work requests never complete (the fake's responder
+// fake1 sleeps 8 s before each, as a provider that retries for ever
+// would) is broken after RDMACompletionTimeout: its QP goes to the error
+// state, its work moves to the pairs that answer, and the transfer
+// completes long before a single stalled work request could have. Without
+// the watchdog the transfer waits on the stalled requests.
+func TestRDMAStalledPathIsBrokenAfterTheCompletionTimeout(t *testing.T) {
+	const stall = 8 * time.Second
+	opts := engine.Options{RDMACompletionTimeout: 200 * time.Millisecond}
+	owner := newEngineWith(t, rdmaOpts(t, opts))
+	init := newEngineWith(t, rdmaOpts(t, opts))
+	const size = 8 << 20
+	dst, src := alloc(t, owner, size), alloc(t, init, size)
+	fillPattern(src, 6)
+	seg := openSegment(t, init, owner.Name())
+	fakeControl(t, fmt.Sprintf("stall dev=fake1 ms=%d", stall.Milliseconds()))
+	b := submit(t, init, write(src, seg, engine.AddrOf(dst), size))
+	r := waitBatch(t, b, stall-2*time.Second)[0]
+	if r.Status != engine.Completed {
+		t.Fatalf("transfer ended %v: %v", r.Status, r.Err)
+	}
+	requireEqual(t, "owner memory", dst, src)
+	st := init.Stats()
+	t.Logf("stalls %d, failovers %d, error completions %d", st.RDMAStalls, st.RDMAFailovers, st.RDMAErrorWCs)
+	if st.RDMAStalls == 0 {
+		t.Fatal("no path was broken for stalling: the stall never held a work request")
 	}
 }

@@ -163,9 +163,12 @@ typedef struct kvf_engine_options {
                                    device, else tcp; logged once per peer),
                                    "tcp" or "rdma" (creation fails with
                                    KVF_ERR_UNSUPPORTED without a device);
-                                   NULL: "auto". RDMA's library, devices and
-                                   fence are set by KVFERRY_IBVERBS_LIBRARY,
-                                   KVFERRY_RDMA_DEVICES, KVFERRY_RDMA_FENCE */
+                                   NULL: "auto". RDMA's library, devices,
+                                   fence, retry count and completion timeout
+                                   are set by KVFERRY_IBVERBS_LIBRARY,
+                                   KVFERRY_RDMA_DEVICES, KVFERRY_RDMA_FENCE,
+                                   KVFERRY_RDMA_RETRY_COUNT and
+                                   KVFERRY_RDMA_COMPLETION_TIMEOUT_MS */
     int32_t port;               /* control port; 0: a free one (see kvf_engine_name) */
     int32_t paths_per_peer;     /* connections per peer, 1..64; 0: 4 */
     uint64_t slice_size;        /* largest piece of a request, 4 KiB..64 MiB;

@@ -6,6 +6,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kvferry/kvferry/internal/fakeverbs"
 	"github.com/kvferry/kvferry/verbs"
 )
 
@@ -15,7 +16,7 @@ import (
 // 64-byte RDMA WRITEs on a loopback RC pair. Completions are polled outside
 // the timed part.
 func BenchmarkPostSend(b *testing.B) {
-	lib, err := verbs.Open(fakePath(b))
+	lib, err := verbs.Open(fakeverbs.Path(b))
 	if err != nil {
 		b.Fatal(err)
 	}

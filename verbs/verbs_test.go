@@ -2,6 +2,7 @@ package verbs_test
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -38,15 +39,16 @@ func TestNotALibbverbs(t *testing.T) {
 	}
 }
 
-// openFake opens the fake provider's first device.
+// openFake opens the first device of the fake provider or, with
+// KVFERRY_TEST_RDMA=1, of the system's libibverbs (real devices).
 func openFake(t *testing.T) (*verbs.Library, *verbs.Context) {
 	t.Helper()
-	lib, err := verbs.Open(fakePath(t))
+	lib, err := verbs.Open(fakeverbs.Library(t))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if lib.DeviceCount() == 0 {
-		t.Fatalf("the fake lists no device")
+		t.Fatalf("%s lists no device", lib.Path())
 	}
 	ctx, err := lib.OpenContext(0)
 	if err != nil {
@@ -56,7 +58,10 @@ func openFake(t *testing.T) (*verbs.Library, *verbs.Context) {
 	return lib, ctx
 }
 
-func TestFakeDevices(t *testing.T) {
+// Every device has an active port, a max MR size and a sysfs path; a RoCE
+// port has a GID, and where sysfs says the GIDs' types (real devices), the
+// one chosen is RoCE v2, which routes over IP.
+func TestDevicesHaveActivePortsAndRoCEv2GIDs(t *testing.T) {
 	lib, _ := openFake(t)
 	devs, err := lib.Devices()
 	if err != nil {
@@ -66,11 +71,18 @@ func TestFakeDevices(t *testing.T) {
 		if len(d.Ports) == 0 || !d.Ports[0].Active() || d.Attr.MaxMRSize == 0 || d.Path == "" {
 			t.Errorf("device %+v: want an active port, a max MR size and a sysfs path", d)
 		}
-		if d.Ports[0].Ethernet() && d.Ports[0].GIDIndex < 0 {
+		p := d.Ports[0]
+		if p.Ethernet() && p.GIDIndex < 0 {
 			t.Errorf("device %s: RoCE port without a GID", d.Name)
+			continue
 		}
+		typ, err := os.ReadFile(fmt.Sprintf("%s/ports/%d/gid_attrs/types/%d", d.Path, p.Num, p.GIDIndex))
+		if p.Ethernet() && err == nil && strings.TrimSpace(string(typ)) != "RoCE v2" {
+			t.Errorf("device %s: GID %d is of type %q; want RoCE v2", d.Name, p.GIDIndex, strings.TrimSpace(string(typ)))
+		}
+		t.Logf("device %s port %d: link %v, active MTU %d, GID index %d (%s)", d.Name, p.Num, p.Ethernet(), p.ActiveMTU, p.GIDIndex, strings.TrimSpace(string(typ)))
 	}
-	t.Logf("fake devices: %d", len(devs))
+	t.Logf("%s: %d devices", lib.Path(), len(devs))
 }
 
 // TestBadTransitionMasksAreRefused drives a QP through RESET -> INIT -> RTR
@@ -142,5 +154,3 @@ func TestBadTransitionMasksAreRefused(t *testing.T) {
 		t.Fatalf("to error: %v", err)
 	}
 }
-
-func fakePath(t testing.TB) string { return fakeverbs.Path(t) }

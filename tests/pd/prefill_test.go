@@ -23,14 +23,15 @@ import (
 // the other variables configure it (the library reads no variable for its
 // Testing switches, so the unsafe mode travels in one of ours).
 const (
-	roleEnv    = "KVFERRY_PD_ROLE"    // "prefill"
-	unsafeEnv  = "KVFERRY_PD_UNSAFE"  // "1": Options.Testing.UnsafeAbort
-	sliceEnv   = "KVFERRY_PD_SLICE"   // Options.SliceSize
-	pathsEnv   = "KVFERRY_PD_PATHS"   // Options.PathsPerPeer
-	workersEnv = "KVFERRY_PD_WORKERS" // requests written at once
-	srcEnv     = "KVFERRY_PD_SRC"     // source bytes per worker (the largest request)
-	rdmaEnv    = "KVFERRY_PD_RDMA"    // the fake libibverbs: Options.Protocol "rdma" over it; unset: tcp
-	noFenceEnv = "KVFERRY_PD_NOFENCE" // "1": Options.RDMANoFence
+	roleEnv    = "KVFERRY_PD_ROLE"         // "prefill"
+	unsafeEnv  = "KVFERRY_PD_UNSAFE"       // "1": Options.Testing.UnsafeAbort
+	sliceEnv   = "KVFERRY_PD_SLICE"        // Options.SliceSize
+	pathsEnv   = "KVFERRY_PD_PATHS"        // Options.PathsPerPeer
+	workersEnv = "KVFERRY_PD_WORKERS"      // requests written at once
+	srcEnv     = "KVFERRY_PD_SRC"          // source bytes per worker (the largest request)
+	rdmaEnv    = "KVFERRY_PD_RDMA"         // the libibverbs to load: Options.Protocol "rdma" over it; unset: tcp
+	devicesEnv = "KVFERRY_PD_RDMA_DEVICES" // the prefill's Options.RDMADevices
+	noFenceEnv = "KVFERRY_PD_NOFENCE"      // "1": Options.RDMANoFence
 )
 
 func TestMain(m *testing.M) {
@@ -50,8 +51,9 @@ type prefillConfig struct {
 	unsafe           bool
 	slice, paths     int
 	workers, srcSize int
-	rdma             string // the fake libibverbs to write over rdma with; "": tcp
+	rdma             string // the libibverbs to write over rdma with (fakeverbs.Library); "": tcp
 	noFence          bool   // Options.RDMANoFence
+	devices          string // the prefill's Options.RDMADevices (decode's: fakeverbs.Devices("owner"))
 }
 
 func (c prefillConfig) env() []string {
@@ -65,15 +67,25 @@ func (c prefillConfig) env() []string {
 	}
 	return []string{roleEnv + "=prefill", unsafeEnv + "=" + u, sliceEnv + "=" + strconv.Itoa(c.slice),
 		pathsEnv + "=" + strconv.Itoa(c.paths), workersEnv + "=" + strconv.Itoa(c.workers), srcEnv + "=" + strconv.Itoa(c.srcSize),
-		rdmaEnv + "=" + c.rdma, noFenceEnv + "=" + nf}
+		rdmaEnv + "=" + c.rdma, noFenceEnv + "=" + nf, devicesEnv + "=" + c.devices}
 }
 
-// options are the engine options of an end that writes or serves over
-// c's transport (decode's too: both ends must speak rdma).
+// options are the prefill's engine options: c's transport, pinned (tcp
+// unless c says rdma, whatever devices the machine has).
 func (c prefillConfig) options() engine.Options {
-	o := engine.Options{IgnoreEnv: true}
+	o := engine.Options{IgnoreEnv: true, Protocol: "tcp"}
 	if c.rdma != "" {
-		o.Protocol, o.RDMALibrary, o.RDMANoFence = "rdma", c.rdma, c.noFence
+		o.Protocol, o.RDMALibrary, o.RDMANoFence, o.RDMADevices = "rdma", c.rdma, c.noFence, c.devices
+	}
+	return o
+}
+
+// decodeOptions are decode's: the same transport (both ends must speak
+// rdma), on the owner's devices.
+func (c prefillConfig) decodeOptions() engine.Options {
+	o := c.options()
+	if c.rdma != "" {
+		o.RDMADevices = fakeverbs.Devices("owner")
 	}
 	return o
 }
@@ -186,7 +198,8 @@ func runPrefill() int {
 		return n
 	}
 	cfg := prefillConfig{unsafe: os.Getenv(unsafeEnv) == "1", slice: num(sliceEnv), paths: num(pathsEnv),
-		workers: num(workersEnv), srcSize: num(srcEnv), rdma: os.Getenv(rdmaEnv), noFence: os.Getenv(noFenceEnv) == "1"}
+		workers: num(workersEnv), srcSize: num(srcEnv), rdma: os.Getenv(rdmaEnv), noFence: os.Getenv(noFenceEnv) == "1",
+		devices: os.Getenv(devicesEnv)}
 	if cfg.slice <= 0 || cfg.paths <= 0 || cfg.workers <= 0 || cfg.srcSize <= 0 {
 		return fail("bad configuration %+v", cfg)
 	}

@@ -11,7 +11,6 @@ package pd
 
 import (
 	"context"
-	"fmt"
 	"runtime"
 	"strings"
 	"syscall"
@@ -22,12 +21,13 @@ import (
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
-func fakeControl(t *testing.T, cmd string) { fakeverbs.Control(t, cmd) }
-
-// delayFaults slows every chunk decode's NICs (fake0, fake1) place by us
-// microseconds, after the first chunk of each WRITE.
-func delayFaults(us int) string {
-	return fmt.Sprintf("delay dev=fake0 us=%d;delay dev=fake1 us=%d", us, us)
+// rdmaPrefill is the prefill's rdma configuration: the fake libibverbs, or
+// with KVFERRY_TEST_RDMA=1 the system's on real devices (decode and the
+// prefill then on the NICs KVFERRY_TEST_RDMA_OWNER_DEVICES and
+// ..._INITIATOR_DEVICES name, so that WRITEs cross a link).
+func rdmaPrefill(t *testing.T, c prefillConfig) prefillConfig {
+	c.rdma, c.devices = fakeverbs.Library(t), fakeverbs.Devices("initiator")
+	return c
 }
 
 // rdmaStress is the shape of the rdma stress rows: 4 layers of 2 pages of
@@ -53,7 +53,7 @@ func TestRDMAStressACKOnHeardFindsCorruption(t *testing.T) {
 	// place, and a request's 8 WRITEs queue behind each other at decode's
 	// two NICs: far longer than ABORT and its ACK take to go round.
 	cfg.pageSize, cfg.slice = 256<<10, 256<<10
-	cfg.faults = delayFaults(1000)
+	cfg.delayUs = 1000
 	cfg.requests = 80
 	if testing.Short() {
 		cfg.requests = 40
@@ -75,7 +75,7 @@ func TestRDMAStressACKOnHeardFindsCorruption(t *testing.T) {
 // completions) while the other requests went on over new QPs.
 func TestRDMAStressOwnerFenceIsSafe(t *testing.T) {
 	cfg := rdmaStress()
-	cfg.faults = delayFaults(300)
+	cfg.delayUs = 300
 	// Safe needs no ACK here, so Abort returns at once; its deadline
 	// only bounds how long the ABORT is resent and the ACK counted. An
 	// initiator may take up to twice AbortDrainTimeout (5 s: tasks, then
@@ -105,7 +105,7 @@ func TestRDMAStressOwnerFenceIsSafe(t *testing.T) {
 func TestRDMAStressDrainAwareACKIsSafe(t *testing.T) {
 	cfg := rdmaStress()
 	cfg.noFence = true
-	cfg.faults = delayFaults(300)
+	cfg.delayUs = 300
 	cfg.requests = 1500
 	if testing.Short() {
 		cfg.requests = 400
@@ -177,8 +177,8 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 		// Shorter, so that the WRITEs are still landing when it passes.
 		deadline = 500 * time.Millisecond
 	}
-	pcfg := prefillConfig{slice: slice, paths: 1, workers: 2, srcSize: size, rdma: fakeverbs.Path(t), noFence: row.noFence}
-	if err := warmUp(pcfg.options()); err != nil {
+	pcfg := rdmaPrefill(t, prefillConfig{slice: slice, paths: 1, workers: 2, srcSize: size, noFence: row.noFence})
+	if err := warmUp(pcfg.decodeOptions()); err != nil {
 		t.Fatal(err)
 	}
 	g0 := runtime.NumGoroutine()
@@ -186,7 +186,7 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, err := engine.New(pcfg.options())
+	d, err := engine.New(pcfg.decodeOptions())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -207,7 +207,7 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 		}
 	})
 	slot, probe := mem[:size:size], mem[size:]
-	fakeControl(t, delayFaults(delayUs))
+	fakeverbs.SlowPlacement(t, delayUs)
 	pp := startPrefill(t, pcfg, d.Name())
 
 	req := holder{tag: rid}
@@ -407,8 +407,8 @@ func TestRDMAFenceAbortLetsOtherRequestsComplete(t *testing.T) {
 		ridA    = 1    // aborted
 		ridB    = 2    // not aborted
 	)
-	pcfg := prefillConfig{slice: slice, paths: 1, workers: 2, srcSize: size, rdma: fakeverbs.Path(t)}
-	d, err := engine.New(pcfg.options())
+	pcfg := rdmaPrefill(t, prefillConfig{slice: slice, paths: 1, workers: 2, srcSize: size})
+	d, err := engine.New(pcfg.decodeOptions())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -419,7 +419,7 @@ func TestRDMAFenceAbortLetsOtherRequestsComplete(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = d.FreeBuffer(engine.AddrOf(mem)) })
 	slotA, slotB := mem[:size:size], mem[size:]
-	fakeControl(t, delayFaults(delayUs))
+	fakeverbs.SlowPlacement(t, delayUs)
 	pp := startPrefill(t, pcfg, d.Name())
 
 	landedA := func() int { return landedBytes(slotA, holder{tag: ridA}, 0) }

@@ -33,7 +33,7 @@ func testSignalAbort(t *testing.T, sig syscall.Signal) {
 		abortDeadline = 2 * time.Second
 		rid           = 1
 	)
-	d, err := engine.New(engine.Options{IgnoreEnv: true, Testing: engine.Testing{ApplyDelay: applyDelay}})
+	d, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp", Testing: engine.Testing{ApplyDelay: applyDelay}})
 	if err != nil {
 		t.Fatal(err)
 	}

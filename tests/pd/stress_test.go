@@ -60,13 +60,13 @@ type stressConfig struct {
 	before, during, after int
 	duringMax             time.Duration
 	abortDeadline         time.Duration
-	// rdma: over rdma on the fake libibverbs instead of tcp; noFence:
-	// Options.RDMANoFence on both ends; faults: commands decode gives the
-	// fake for its own devices (they execute the prefill's WRITEs) before
-	// the run.
+	// rdma: over rdma (fakeverbs.Library: the fake, or real devices)
+	// instead of tcp; noFence: Options.RDMANoFence on both ends; delayUs:
+	// decode's devices place the prefill's WRITEs slowly, this many
+	// microseconds per 64 KiB (fakeverbs.SlowPlacement).
 	rdma    bool
 	noFence bool
-	faults  string
+	delayUs int
 	// budget, when set, stops the run from starting requests after this
 	// long, which fails the test: a run that slows down by orders of
 	// magnitude is found out without timing out.
@@ -135,10 +135,10 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 	pcfg := prefillConfig{unsafe: cfg.unsafe, slice: cfg.slice, paths: cfg.paths,
 		workers: 2 * cfg.lanes, srcSize: cfg.layers * cfg.pages * cfg.pageSize, noFence: cfg.noFence}
 	if cfg.rdma {
-		pcfg.rdma = fakeverbs.Path(t)
+		pcfg = rdmaPrefill(t, pcfg)
 	}
 	// Leak baseline, before anything of the run exists.
-	if err := warmUp(pcfg.options()); err != nil {
+	if err := warmUp(pcfg.decodeOptions()); err != nil {
 		t.Fatal(err)
 	}
 	g0 := runtime.NumGoroutine()
@@ -147,7 +147,7 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 		t.Fatal(err)
 	}
 
-	dopts := pcfg.options()
+	dopts := pcfg.decodeOptions()
 	dopts.Testing = engine.Testing{UnsafeAbort: cfg.unsafe, ApplyDelay: cfg.applyDelay}
 	d, err := engine.New(dopts)
 	if err != nil {
@@ -184,8 +184,8 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 	pool := newSlotPool(mem, cfg.layers, cfg.poolPages, cfg.pageSize)
 	base := d.Stats()
 
-	if cfg.faults != "" {
-		fakeControl(t, cfg.faults)
+	if cfg.delayUs > 0 {
+		fakeverbs.SlowPlacement(t, cfg.delayUs)
 	}
 	pp := startPrefill(t, pcfg, d.Name())
 
@@ -520,8 +520,8 @@ func (r *stressResult) log(t *testing.T, cfg stressConfig) {
 		cfg.lanes, cfg.layers, cfg.pages, cfg.pageSize>>10, cfg.slice>>10, cfg.paths, cfg.applyDelay, cfg.unsafe)
 	if cfg.rdma {
 		st := r.decode
-		t.Logf("  over fake rdma (no fence %v, faults %q): decode fences %d (pending %d), error completions %d, failovers %d",
-			cfg.noFence, cfg.faults, st.RDMAFences, st.RDMAFencesPending, st.RDMAErrorWCs, st.RDMAFailovers)
+		t.Logf("  over rdma (real devices %v, no fence %v, placement slowed %d us per 64 KiB): decode fences %d (pending %d), error completions %d, failovers %d",
+			fakeverbs.Real(), cfg.noFence, cfg.delayUs, st.RDMAFences, st.RDMAFencesPending, st.RDMAErrorWCs, st.RDMAFailovers)
 	}
 	for f := range nfates {
 		t.Logf("  fate %-6s %5d requests, outcomes %v", fate(f), r.fates[f], r.outcomes[f])

@@ -222,6 +222,33 @@ func (f Filter) String() string {
 //
 // Any other location gives input order: an unplaceable buffer still works.
 func Preference(location string, numa int, nics []NIC) []int {
+	keys := rankKeys(location, numa, nics)
+	order := make([]int, len(nics))
+	for i := range nics {
+		order[i] = i
+	}
+	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(keys[a], keys[b]) })
+	return order
+}
+
+// Tiers gives each NIC (by index) its tier for memory at location, as
+// Preference ranks them: 0 for the best, and the same tier for NICs that
+// are equally good, so that a transport can spread work across those
+// rather than always take the first.
+func Tiers(location string, numa int, nics []NIC) []int {
+	keys := rankKeys(location, numa, nics)
+	distinct := slices.Clone(keys)
+	slices.Sort(distinct)
+	distinct = slices.Compact(distinct)
+	tiers := make([]int, len(nics))
+	for i, k := range keys {
+		tiers[i], _ = slices.BinarySearch(distinct, k)
+	}
+	return tiers
+}
+
+// rankKeys is each NIC's closeness to memory at location, lower better.
+func rankKeys(location string, numa int, nics []NIC) []int {
 	rank := func(NIC) int { return 0 } // lower is better
 	if v, ok := strings.CutPrefix(location, "cpu:"); ok {
 		if node, err := strconv.Atoi(v); err == nil && node >= 0 {
@@ -248,12 +275,11 @@ func Preference(location string, numa int, nics []NIC) []int {
 			return 1 - 2*shared
 		}
 	}
-	order, keys := make([]int, len(nics)), make([]int, len(nics))
+	keys := make([]int, len(nics))
 	for i, n := range nics {
-		order[i], keys[i] = i, rank(n)
+		keys[i] = rank(n)
 	}
-	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(keys[a], keys[b]) })
-	return order
+	return keys
 }
 
 // pcieComponents returns the components of a sysfs device path from its

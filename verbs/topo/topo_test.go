@@ -209,6 +209,34 @@ func TestPreference(t *testing.T) {
 	}
 }
 
+// Tiers give equally good NICs the same tier, so that a transport spreads
+// work across them instead of always taking the first in the order.
+func TestTiers(t *testing.T) {
+	mixed := []NIC{nic("a", 1, ""), nic("b", -1, ""), nic("c", 0, ""), nic("d", 1, ""), nic("e", 0, "")}
+	tests := []struct {
+		location string
+		want     []int
+	}{
+		{"cpu", []int{0, 0, 0, 0, 0}},
+		{"cpu:1", []int{0, 1, 2, 0, 2}},
+		{"cpu:0", []int{2, 1, 0, 2, 0}},
+		{"gpu:0", []int{0, 0, 0, 0, 0}},
+	}
+	for _, tt := range tests {
+		got := Tiers(tt.location, -1, mixed)
+		if !slices.Equal(got, tt.want) {
+			t.Errorf("Tiers(%q) = %v, want %v", tt.location, got, tt.want)
+		}
+		// The tiers agree with the order Preference gives.
+		pref := Preference(tt.location, -1, mixed)
+		for i := 1; i < len(pref); i++ {
+			if got[pref[i]] < got[pref[i-1]] {
+				t.Errorf("%q: Preference %v puts NIC %d (tier %d) after NIC %d (tier %d)", tt.location, pref, pref[i], got[pref[i]], pref[i-1], got[pref[i-1]])
+			}
+		}
+	}
+}
+
 func TestMatrix(t *testing.T) {
 	nics := []NIC{
 		{Name: "mlx5_0", Port: 1, Placement: Placement{NUMANode: 0}},

@@ -37,7 +37,8 @@ type pair struct {
 	psn       uint32
 	healthy   bool
 	resetting bool
-	inflight  int // work requests posted and not yet completed
+	inflight  int       // work requests posted and not yet completed
+	progress  time.Time // the last completion, or the post that found none in flight
 }
 
 // wslice is a slice as the endpoint moves it: the work requests it became
@@ -525,9 +526,9 @@ func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, error) {
 	return kr, nil
 }
 
-// ranks returns, per local NIC and per owner NIC, its rank in the
-// preference of memory at localLoc and at remoteLoc; computed once per
-// pair of locations, not per slice.
+// ranks returns, per local NIC and per owner NIC, its tier for memory at
+// localLoc and at remoteLoc (equally good NICs share a tier); computed
+// once per pair of locations, not per slice.
 func (e *Endpoint) ranks(localLoc, remoteLoc string) (local, remote []int) {
 	k := [2]string{localLoc, remoteLoc}
 	e.rankMu.Lock()
@@ -535,17 +536,19 @@ func (e *Endpoint) ranks(localLoc, remoteLoc string) (local, remote []int) {
 	if r, ok := e.rankCache[k]; ok {
 		return r[0], r[1]
 	}
-	local = make([]int, len(e.t.nics))
-	for r, i := range topo.Preference(localLoc, -1, e.t.topoNICs()) {
-		local[i] = r
-	}
+	local = topo.Tiers(localLoc, -1, e.t.topoNICs())
 	remote = make([]int, len(e.info.NICs))
 	m, ok := e.info.Matrix[remoteLoc]
 	if !ok {
-		m = e.info.Matrix["cpu"]
+		remoteLoc = "cpu"
+		m = e.info.Matrix[remoteLoc]
 	}
+	tiers := e.info.Tiers[remoteLoc]
 	for r, i := range m {
 		remote[i] = r
+		if r < len(tiers) {
+			remote[i] = int(tiers[r])
+		}
 	}
 	if e.rankCache == nil || len(e.rankCache) > 256 {
 		e.rankCache = map[[2]string][2][]int{}
@@ -555,7 +558,8 @@ func (e *Endpoint) ranks(localLoc, remoteLoc string) (local, remote []int) {
 }
 
 // pick chooses a healthy pair by the NIC preference of both ends' memory,
-// rotating among equally good ones; nil when none is healthy.
+// rotating among the equally good ones so that work stripes across every
+// NIC pair of the best tier; nil when none is healthy.
 func (e *Endpoint) pick(s *transport.Slice, kr *keysReply) *pair {
 	localLoc := "cpu"
 	if s.LocalReg != nil && s.LocalReg.Location != "" {
@@ -567,26 +571,26 @@ func (e *Endpoint) pick(s *transport.Slice, kr *keysReply) *pair {
 	if e.dead {
 		return nil
 	}
-	best, bestScore, ties := -1, 1<<30, 0
+	var best [maxPairsPerEndpoint]int
+	n, bestScore := 0, 1<<30
 	for i, p := range e.pairs {
 		if !p.healthy {
 			continue
 		}
 		sc := lrank[p.nic.Index] + rrank[p.remote]
 		if sc < bestScore {
-			best, bestScore, ties = i, sc, 1
-		} else if sc == bestScore {
-			ties++
-			if (e.rr % ties) == 0 {
-				best = i
-			}
+			n, bestScore = 0, sc
+		}
+		if sc == bestScore {
+			best[n] = i
+			n++
 		}
 	}
-	if best < 0 {
+	if n == 0 {
 		return nil
 	}
 	e.rr++
-	return e.pairs[best]
+	return e.pairs[best[e.rr%n]]
 }
 
 // postOn posts plans on p, waiting for room in its send queue and its
@@ -615,6 +619,9 @@ func (e *Endpoint) postOn(p *pair, plans []plan) {
 		chunk := plans[:room]
 		wrs := make([]verbs.WR, room)
 		ids := make([]uint64, room)
+		if p.inflight == 0 {
+			p.progress = time.Now()
+		}
 		for i := range chunk {
 			c := &wrCtx{ep: e, pair: p, ws: chunk[i].ws, bytes: chunk[i].bytes}
 			ids[i] = e.t.track(c)
@@ -627,6 +634,7 @@ func (e *Endpoint) postOn(p *pair, plans []plan) {
 		// QP under it; a post is a few hundred nanoseconds per request.
 		posted, err := p.qp.PostSend(wrs)
 		e.t.stats.Posted.Add(uint64(posted))
+		p.nic.posted.Add(uint64(posted))
 		var unposted []plan
 		if err != nil {
 			for i := posted; i < room; i++ {
@@ -755,6 +763,19 @@ func (e *Endpoint) requeue(plans []plan) {
 	}
 }
 
+// breakStalled breaks every healthy pair that has work requests out of
+// which none completed for longer than limit (see Transport.watchdog).
+func (e *Endpoint) breakStalled(now time.Time, limit time.Duration) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, p := range e.pairs {
+		if p.healthy && p.inflight > 0 && now.Sub(p.progress) > limit {
+			e.t.stats.Stalls.Add(1)
+			e.breakPair(p, fmt.Errorf("%w: %d work requests out and none completed in %v", transport.ErrConnection, p.inflight, limit))
+		}
+	}
+}
+
 // breakPair marks p failed and starts its reconnection. Called with mu held.
 func (e *Endpoint) breakPair(p *pair, cause error) {
 	if !p.healthy && p.resetting {
@@ -829,6 +850,7 @@ func (e *Endpoint) completed(c *wrCtx, status uint32, text string) {
 	e.mu.Lock()
 	p, w := c.pair, c.ws
 	p.inflight--
+	p.progress = time.Now()
 	r := e.reqs[w.s.RequestID]
 	if r != nil {
 		r.inflight--

@@ -7,7 +7,6 @@ import (
 	"testing"
 
 	"github.com/kvferry/kvferry/internal/fakeverbs"
-	"github.com/kvferry/kvferry/verbs"
 
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/engine/transport/rdma"
@@ -32,10 +31,7 @@ func needFake(t testing.TB) string { return fakeverbs.Path(t) }
 // or with KVFERRY_TEST_RDMA=1 the system's, on this host's real devices.
 func testLibrary(t testing.TB) string {
 	t.Helper()
-	if os.Getenv("KVFERRY_TEST_RDMA") == "1" {
-		return verbs.DefaultLibrary
-	}
-	return needFake(t)
+	return fakeverbs.Library(t)
 }
 
 // pairOf makes an owner and an initiator transport over the fake provider,
@@ -50,6 +46,9 @@ const initiatorName = "initiator:1"
 func newPair(t testing.TB, owner transport.Owner, fence bool, devices string) *pairOf {
 	t.Helper()
 	lib := testLibrary(t)
+	if devices == "" {
+		devices = fakeverbs.Devices("") // KVFERRY_RDMA_DEVICES on real devices
+	}
 	p := &pairOf{}
 	var err error
 	p.owner, err = rdma.New(rdma.Options{

@@ -68,9 +68,15 @@ type Options struct {
 	// rest on the initiators' drained ACKs.
 	Fence bool
 	// Timeout is the verbs ACK timeout exponent (4.096 us << Timeout);
-	// 14 (67 ms) when zero. RetryCount is the transport retry count, 7
-	// when zero.
+	// 14 (67 ms) when zero. RetryCount is the transport retry count, 6
+	// when zero and at most 6: rxe reads 7 as "retry for ever", and a
+	// QP whose peer fenced it would then never fail its work.
 	Timeout, RetryCount uint8
+	// CompletionTimeout is how long a NIC path may hold work requests
+	// without any completing before it is declared broken (its QP goes
+	// to the error state, which flushes them); 30 s when zero. It keeps
+	// every wait bounded where a provider never completes a request.
+	CompletionTimeout time.Duration
 	// RequestTimeout bounds each handshake exchange; 5 s when zero.
 	RequestTimeout time.Duration
 	// DmaBuf exports GPU memory at location ("cuda:N") as a dma-buf for
@@ -99,6 +105,7 @@ type NIC struct {
 	slots    *slotPool     // notification buffers
 	poll     chan struct{} // kicks the poller when work is posted
 	inflight atomic.Int64  // work requests posted on this NIC not yet completed
+	posted   atomic.Uint64 // work requests posted on this NIC
 	recvs    atomic.Int64  // receives posted for notifications
 }
 
@@ -142,21 +149,23 @@ type Transport struct {
 // counters are the transport's counters.
 type counters struct {
 	Posted, Completed, ErrorCompletions, Failovers, Fences, Reconnects atomic.Uint64
-	Notifies, BadNotifies, DmabufMRs, PeermemMRs                       atomic.Uint64
+	Notifies, BadNotifies, DmabufMRs, PeermemMRs, Stalls               atomic.Uint64
 }
 
 // Stats is a snapshot of the transport's counters.
 type Stats struct {
-	Posted           uint64 // work requests posted
-	Completed        uint64 // completions taken
-	ErrorCompletions uint64 // completions with an error status
-	Failovers        uint64 // NIC paths that failed and were reconnected (or tried)
-	Fences           uint64 // owner-side fences
-	Reconnects       uint64 // NIC paths reconnected
-	Notifies         uint64 // notifications received in-band
-	BadNotifies      uint64 // malformed in-band notifications dropped
-	DmabufMRs        uint64 // GPU memory registrations through dma-buf
-	PeermemMRs       uint64 // GPU memory registrations without (nvidia-peermem)
+	Posted           uint64            // work requests posted
+	Completed        uint64            // completions taken
+	ErrorCompletions uint64            // completions with an error status
+	Failovers        uint64            // NIC paths that failed and were reconnected (or tried)
+	Fences           uint64            // owner-side fences
+	Reconnects       uint64            // NIC paths reconnected
+	Notifies         uint64            // notifications received in-band
+	BadNotifies      uint64            // malformed in-band notifications dropped
+	DmabufMRs        uint64            // GPU memory registrations through dma-buf
+	PeermemMRs       uint64            // GPU memory registrations without (nvidia-peermem)
+	Stalls           uint64            // NIC paths broken because no work request completed within CompletionTimeout
+	PostedByNIC      map[string]uint64 // work requests posted per NIC ("name:port")
 }
 
 // Stats returns a snapshot of the counters.
@@ -166,7 +175,16 @@ func (t *Transport) Stats() Stats {
 		Failovers: t.stats.Failovers.Load(), Fences: t.stats.Fences.Load(), Reconnects: t.stats.Reconnects.Load(),
 		Notifies: t.stats.Notifies.Load(), BadNotifies: t.stats.BadNotifies.Load(),
 		DmabufMRs: t.stats.DmabufMRs.Load(), PeermemMRs: t.stats.PeermemMRs.Load(),
+		Stalls: t.stats.Stalls.Load(), PostedByNIC: t.postedByNIC(),
 	}
+}
+
+func (t *Transport) postedByNIC() map[string]uint64 {
+	m := make(map[string]uint64, len(t.nics))
+	for _, n := range t.nics {
+		m[n.Name+":"+strconv.Itoa(n.Port.Num)] = n.posted.Load()
+	}
+	return m
 }
 
 // regMRs is one registration on every NIC, split into pieces no larger
@@ -198,8 +216,11 @@ func New(opts Options) (*Transport, error) {
 	if opts.Timeout == 0 {
 		opts.Timeout = 14
 	}
-	if opts.RetryCount == 0 {
-		opts.RetryCount = 7
+	if opts.RetryCount == 0 || opts.RetryCount > 6 {
+		opts.RetryCount = 6
+	}
+	if opts.CompletionTimeout <= 0 {
+		opts.CompletionTimeout = 30 * time.Second
 	}
 	if opts.RequestTimeout == 0 {
 		opts.RequestTimeout = 5 * time.Second
@@ -258,6 +279,8 @@ func New(opts Options) (*Transport, error) {
 		t.wg.Add(1)
 		go t.poller(n)
 	}
+	t.wg.Add(1)
+	go t.watchdog()
 	t.log.Debug("kvferry: rdma transport up", "nics", t.NICNames(), "library", lib.Path())
 	return t, nil
 }
@@ -338,26 +361,33 @@ func (t *Transport) OwnerCopies() bool { return false }
 // Matrix is the preference matrix published to peers: for each location of
 // registered memory (and "cpu"), NIC indexes best first.
 func (t *Transport) Matrix() map[string][]uint8 {
+	m, _ := t.matrix()
+	return m
+}
+
+// matrix is Matrix with the tier of each entry: NICs of one tier are
+// equally good for that location.
+func (t *Transport) matrix() (order, tiers map[string][]uint8) {
 	locs := map[string]bool{"cpu": true}
 	t.mrMu.RLock()
 	for _, r := range t.mrs {
 		locs[r.region.Location] = true
 	}
 	t.mrMu.RUnlock()
-	out := make(map[string][]uint8, len(locs))
+	order, tiers = make(map[string][]uint8, len(locs)), make(map[string][]uint8, len(locs))
 	nics := t.topoNICs()
-	for loc := range locs {
-		if len(out) >= maxLocations {
+	for _, loc := range sortedKeys(locs) {
+		if len(order) >= maxLocations {
 			break
 		}
-		pref := topo.Preference(loc, -1, nics)
-		idx := make([]uint8, len(pref))
+		pref, tier := topo.Preference(loc, -1, nics), topo.Tiers(loc, -1, nics)
+		idx, tr := make([]uint8, len(pref)), make([]uint8, len(pref))
 		for i, p := range pref {
-			idx[i] = uint8(p)
+			idx[i], tr[i] = uint8(p), uint8(tier[p])
 		}
-		out[loc] = idx
+		order[loc], tiers[loc] = idx, tr
 	}
-	return out
+	return order, tiers
 }
 
 // DescriptorAddr is what the segment descriptor says of the transport
@@ -575,7 +605,8 @@ func leU64(b []byte) uint64 {
 }
 
 func (t *Transport) info() *infoReply {
-	m := &infoReply{Matrix: t.Matrix()}
+	m := &infoReply{}
+	m.Matrix, m.Tiers = t.matrix()
 	for _, n := range t.nics {
 		m.NICs = append(m.NICs, nicInfo{
 			Name: trunc(n.Name), Port: uint8(n.Port.Num), Ethernet: n.Port.Ethernet(), MTU: uint8(n.Port.ActiveMTU),
@@ -901,6 +932,36 @@ type wrCtx struct {
 	bytes uint64
 	send  *sendCtx
 	recv  *recvCtx
+}
+
+// watchdog breaks NIC paths that hold work requests of which none
+// completed within CompletionTimeout. A provider that never completes a
+// request (a peer gone quiet under a retry count the provider reads as
+// "for ever", a stuck device) would otherwise hold every wait on it for
+// good; breaking the path moves its QP to the error state, whose flush
+// completes what was posted, and the work moves to another path.
+func (t *Transport) watchdog() {
+	defer t.wg.Done()
+	every := min(max(t.opts.CompletionTimeout/4, 10*time.Millisecond), time.Second)
+	tick := time.NewTicker(every)
+	defer tick.Stop()
+	for {
+		select {
+		case <-t.closed:
+			return
+		case <-tick.C:
+		}
+		t.opMu.Lock()
+		eps := make([]*Endpoint, 0, len(t.eps))
+		for e := range t.eps {
+			eps = append(eps, e)
+		}
+		t.opMu.Unlock()
+		now := time.Now()
+		for _, e := range eps {
+			e.breakStalled(now, t.opts.CompletionTimeout)
+		}
+	}
 }
 
 func (n *NIC) kick() {

@@ -6,12 +6,14 @@ import (
 
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/transport/transporttest"
+	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
 // The published matrix orders NICs by the NUMA node of the memory: memory
 // on node 1 prefers fake1 (node 1), memory on node 0 fake0; and the
 // device filter keeps only what it names.
 func TestMatrixFollowsNUMAAndFilterKeepsNamedDevices(t *testing.T) {
+	fakeverbs.NeedFake(t, "it asserts the fake's NUMA placement and device names")
 	reg := memory.NewRegistry()
 	p := newPair(t, transporttest.NewOwner(reg), true, "")
 	defer p.owner.Close()

@@ -14,7 +14,7 @@ import (
 // every count is checked against the bytes present before anything is
 // allocated.
 const (
-	wireVersion = 1
+	wireVersion = 2
 
 	kindInfo       = 1 // -> infoReply: the owner's NICs and preference matrix
 	kindConnect    = 2 // -> connectReply: responder QPs for the initiator's QPs
@@ -45,10 +45,13 @@ type nicInfo struct {
 }
 
 // infoReply describes an owner's NICs and, per memory location, the order
-// in which its NICs should be used (Mooncake's priority matrix).
+// in which its NICs should be used (Mooncake's priority matrix) and each
+// entry's tier in that order: entries of one tier are equally good, and an
+// initiator spreads its work across them.
 type infoReply struct {
 	NICs   []nicInfo
 	Matrix map[string][]uint8
+	Tiers  map[string][]uint8 // per location, the tier of each Matrix entry
 }
 
 // qpInfo is one end of an RC connection.
@@ -135,6 +138,14 @@ func (m *infoReply) encode() []byte {
 		b = putStr(b, loc)
 		b = append(b, byte(len(m.Matrix[loc])))
 		b = append(b, m.Matrix[loc]...)
+		tiers := m.Tiers[loc]
+		for i := range m.Matrix[loc] {
+			var tier uint8
+			if i < len(tiers) {
+				tier = tiers[i]
+			}
+			b = append(b, tier)
+		}
 	}
 	return b
 }
@@ -148,7 +159,7 @@ func decodeInfo(body []byte) (*infoReply, error) {
 	if n == 0 || n > maxNICs {
 		return nil, fmt.Errorf("%w: %d NICs", errWire, n)
 	}
-	m := &infoReply{NICs: make([]nicInfo, n), Matrix: map[string][]uint8{}}
+	m := &infoReply{NICs: make([]nicInfo, n), Matrix: map[string][]uint8{}, Tiers: map[string][]uint8{}}
 	for i := range m.NICs {
 		x := &m.NICs[i]
 		x.Name = r.Str(maxName)
@@ -169,15 +180,20 @@ func decodeInfo(body []byte) (*infoReply, error) {
 		loc := r.Str(maxName)
 		k := int(r.U8())
 		idx := r.Take(k)
+		tiers := r.Take(k)
 		if r.Err != nil {
 			break
 		}
-		for _, v := range idx {
+		for i, v := range idx {
 			if int(v) >= n {
 				return nil, fmt.Errorf("%w: location %q names NIC %d of %d", errWire, loc, v, n)
 			}
+			if int(tiers[i]) >= k || (i > 0 && tiers[i] < tiers[i-1]) {
+				return nil, fmt.Errorf("%w: location %q: tiers %v are not in order", errWire, loc, tiers)
+			}
 		}
 		m.Matrix[loc] = append([]uint8(nil), idx...)
+		m.Tiers[loc] = append([]uint8(nil), tiers...)
 	}
 	if err := r.End(); err != nil {
 		return nil, err

@@ -15,14 +15,22 @@ func sampleInfo() *infoReply {
 			{Name: "mlx5_1", Port: 1, MTU: 4, LID: 7, NUMA: -1},
 		},
 		Matrix: map[string][]uint8{"cpu": {0, 1}, "cpu:1": {1, 0}},
+		Tiers:  map[string][]uint8{"cpu": {0, 0}, "cpu:1": {0, 1}},
 	}
 }
 
 func TestWireRoundTrips(t *testing.T) {
 	info := sampleInfo()
 	got, err := decodeInfo(info.encode())
-	if err != nil || len(got.NICs) != 2 || got.NICs[0] != info.NICs[0] || got.NICs[1] != info.NICs[1] || !bytes.Equal(got.Matrix["cpu:1"], []byte{1, 0}) {
+	if err != nil || len(got.NICs) != 2 || got.NICs[0] != info.NICs[0] || got.NICs[1] != info.NICs[1] || !bytes.Equal(got.Matrix["cpu:1"], []byte{1, 0}) ||
+		!bytes.Equal(got.Tiers["cpu"], []byte{0, 0}) || !bytes.Equal(got.Tiers["cpu:1"], []byte{0, 1}) {
 		t.Fatalf("info: %+v, %v", got, err)
+	}
+	// Tiers out of order (a better NIC after a worse one) are refused.
+	badTiers := sampleInfo()
+	badTiers.Tiers["cpu:1"] = []uint8{1, 0}
+	if _, err := decodeInfo(badTiers.encode()); !errors.Is(err, errWire) {
+		t.Fatalf("tiers out of order: %v, want a wire error", err)
 	}
 	cr := &connectReq{Conn: 99, Pairs: []pairReq{{Slot: 3, Local: 1, Remote: 0, QP: qpInfo{QPN: 0x123, PSN: 0xabc}, LID: 9, MTU: 5, Ethernet: true}}}
 	gc, err := decodeConnect(cr.encode())
