@@ -10,7 +10,7 @@ import (
 // new batch's tasks: the snapshot taints the batch, so Free keeps its
 // records out of the pool. (Without the taint the new tasks end CANCELED.)
 func TestStaleCancelSnapshotNeverHitsTheNextBatch(t *testing.T) {
-	e, err := New(Options{IgnoreEnv: true})
+	e, err := New(Options{IgnoreEnv: true, Protocol: "tcp"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -13,7 +13,8 @@ import (
 // each; the initiator has the owner open.
 func reviewPair(t *testing.T, opts Options, delay time.Duration) (owner, init *Engine, seg *Segment, dst, src []byte) {
 	t.Helper()
-	opts.Host, opts.IgnoreEnv = "127.0.0.1", true
+	// tcp: ApplyDelay, which these tests rest on, slows only tcp's copies.
+	opts.Host, opts.IgnoreEnv, opts.Protocol = "127.0.0.1", true, "tcp"
 	oo := opts
 	oo.Testing.ApplyDelay = delay
 	var err error
