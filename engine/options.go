@@ -22,7 +22,7 @@ import (
 //	RDMADevices        KVFERRY_RDMA_DEVICES         "" (every active port)
 //	RDMANoFence        KVFERRY_RDMA_FENCE=0         false (the owner-side QP fence is on)
 //	RDMARetryCount     KVFERRY_RDMA_RETRY_COUNT     6 (at most 6)
-//	RDMACompletionTimeout KVFERRY_RDMA_COMPLETION_TIMEOUT_MS 30000
+//	RDMACompletionTimeout KVFERRY_RDMA_COMPLETION_TIMEOUT_MS 10000 (at least 10)
 //	CUDALibrary        KVFERRY_CUDA_LIBRARY         libcuda.so.1 (loaded on first use of GPU memory)
 //	SliceSize          KVFERRY_SLICE_SIZE           1 MiB
 //	PathsPerPeer       KVFERRY_PATHS_PER_PEER       4
@@ -72,7 +72,14 @@ type Options struct {
 	// work requests without a single completion: past it the path is
 	// declared broken (its QP goes to the error state, which flushes what
 	// was posted) and its work moves to another path, so that a provider
-	// or peer that never answers cannot make a wait last for ever.
+	// or peer that never answers cannot make a wait last for ever (a path
+	// whose broken QP is not flushed either is aborted 5 s later). 10 s
+	// when zero, at least 10 ms: below DefaultTimeout, so that a
+	// synchronous transfer is rescued rather than timed out, and far
+	// above what a healthy NIC takes between two completions (its own
+	// retries end a work request in well under 2 s). A single work
+	// request slower than this (a 64 MiB slice on a link of a few MB/s)
+	// needs it raised.
 	RDMACompletionTimeout time.Duration
 	// CUDALibrary is the CUDA driver loaded, at run time, the first time
 	// GPU memory is registered ("cuda:N", or "*" to detect).
@@ -272,7 +279,10 @@ func (o *Options) fill() error {
 		o.HeartbeatMisses = 5
 	}
 	def(&o.AbortDrainTimeout, 5*time.Second)
-	def(&o.RDMACompletionTimeout, 30*time.Second)
+	def(&o.RDMACompletionTimeout, 10*time.Second)
+	if o.RDMACompletionTimeout < 10*time.Millisecond {
+		return fmt.Errorf("rdma completion timeout %v: want at least 10ms", o.RDMACompletionTimeout)
+	}
 	if o.RDMARetryCount == 0 {
 		o.RDMARetryCount = 6
 	}

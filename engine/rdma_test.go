@@ -341,3 +341,92 @@ func TestRDMAStalledPathIsBrokenAfterTheCompletionTimeout(t *testing.T) {
 		t.Fatal("no path was broken for stalling: the stall never held a work request")
 	}
 }
+
+// A path that moves work slowly but well inside RDMACompletionTimeout is
+// never declared stalled, after an idle spell too: a data WRITE, and a
+// notification SEND, whose age the watchdog counts from its own post (it
+// once counted from the pair's last data completion, and broke a healthy
+// pair whose only work was a SEND posted milliseconds before).
+func TestRDMAWatchdogTimesANotificationFromItsOwnPost(t *testing.T) {
+	const ct = 400 * time.Millisecond
+	owner := newEngineWith(t, rdmaOpts(t, engine.Options{RDMACompletionTimeout: ct}))
+	init := newEngineWith(t, rdmaOpts(t, engine.Options{RDMACompletionTimeout: ct, PathsPerPeer: 1}))
+	const size, rid = 1 << 20, 41
+	dst, src := alloc(t, owner, size), alloc(t, init, size)
+	fillPattern(src, 9)
+	seg := openSegment(t, init, owner.Name())
+	transfer(t, init, 30*time.Second, withRID(write(src, seg, engine.AddrOf(dst), size), rid, 0))
+
+	time.Sleep(3 * ct) // idle: every pair's last completion is now older than the timeout
+
+	// Every WR now waits 150 ms in the responder before it runs: slow,
+	// but each completes well inside the 400 ms completion timeout.
+	fakeControl(t, "stall dev=fake0 ms=150;stall dev=fake1 ms=150")
+
+	// Control: a data WRITE after the idle spell is not declared stalled.
+	transfer(t, init, 30*time.Second, withRID(write(src, seg, engine.AddrOf(dst), size), rid, 0))
+	if n := init.Stats().RDMAStalls; n != 0 {
+		t.Fatalf("control: a data WRITE that took 150 ms broke %d paths", n)
+	}
+	time.Sleep(3 * ct)
+
+	err := init.Notify(testCtx(t, 10*time.Second), seg, rid, []byte("kv ready"))
+	st := init.Stats()
+	t.Logf("notify: %v; stalls %d, failovers %d, error completions %d", err, st.RDMAStalls, st.RDMAFailovers, st.RDMAErrorWCs)
+	if err != nil || st.RDMAStalls != 0 {
+		t.Fatalf("a notification SEND that needed 150 ms (completion timeout %v) was taken for a stall: notify err %v, %d paths broken", ct, err, st.RDMAStalls)
+	}
+}
+
+// The watchdog breaking pairs all the time (a completion timeout shorter
+// than one WR's placement) while the owner aborts and reuses the range; the
+// fake places flushed WRs anyway (late_land), as packets a real NIC already
+// sent may land. The abort is never Safe with bytes of the aborted request
+// landing afterwards: the fence cuts them, and the drain-aware ACK counts
+// the flushed work as uncertain (NotSafe).
+func TestRDMAWatchdogChurnNeverMakesAnAbortSafeEarly(t *testing.T) {
+	const size = 8 << 20
+	rows := []struct {
+		name string
+		opts engine.Options
+	}{
+		{"fence", engine.Options{RDMACompletionTimeout: 30 * time.Millisecond}},
+		{"drain-aware ACK", engine.Options{RDMANoFence: true, RDMACompletionTimeout: 30 * time.Millisecond}},
+	}
+	rounds := 3
+	if testing.Short() {
+		rounds = 1
+	}
+	for _, row := range rows {
+		for round := 0; round < rounds; round++ {
+			t.Run(row.name, func(t *testing.T) {
+				rid := uint64(900 + round)
+				owner := newEngineWith(t, rdmaOpts(t, row.opts))
+				init := newEngineWith(t, rdmaOpts(t, row.opts))
+				dst, src := alloc(t, owner, size), alloc(t, init, size)
+				fillByte(src, oldByte)
+				seg := openSegment(t, init, owner.Name())
+				// 1 MiB WRs of 16 chunks 3 ms apart: 48 ms each, past the 30 ms timeout.
+				fakeControl(t, "delay dev=fake0 us=3000;delay dev=fake1 us=3000;late_land dev=fake0 on=1;late_land dev=fake1 on=1")
+				b := submit(t, init, withRID(write(src, seg, engine.AddrOf(dst), size), rid, 0))
+				waitFor(t, 10*time.Second, "watchdog broke a path", func() bool { return init.Stats().RDMAStalls > 0 })
+				time.Sleep(time.Duration(round*40) * time.Millisecond)
+				res, err := owner.Abort(testCtx(t, 3*time.Second), rid, []string{init.Name()})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if res.Safe {
+					fillByte(dst, reusedByte)
+				}
+				r := waitBatch(t, b, 60*time.Second)[0]
+				time.Sleep(500 * time.Millisecond)
+				old := bytes.Count(dst, []byte{oldByte})
+				st := init.Stats()
+				t.Logf("abort %+v; task %v; stalls %d failovers %d; old bytes after reuse %d", res, r.Status, st.RDMAStalls, st.RDMAFailovers, old)
+				if res.Safe && old != 0 {
+					t.Fatalf("Safe abort, then %d bytes of the aborted request landed in the reused range", old)
+				}
+			})
+		}
+	}
+}

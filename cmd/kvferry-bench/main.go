@@ -162,16 +162,21 @@ func mix(x uint64) uint64 { // splitmix64
 
 var errMismatch = errors.New("data mismatch")
 
-// verify compares b, which starts at byte start of the pattern, with the
-// pattern and names the first bad byte.
+// verify compares b, which starts at byte start of a buffer that fill
+// wrote from 0, with the pattern and names the first bad byte. The pattern
+// is made of 8-byte words from the buffer's start, so it is generated over
+// whole words around b, whatever start and len(b) are.
 func verify(b []byte, start int, seed uint64) error {
-	want := make([]byte, 1<<20)
-	for off := 0; off < len(b); off += len(want) {
-		n := min(len(want), len(b)-off)
-		fill(want[:n], start+off, seed)
+	want := make([]byte, 1<<20+16)
+	for off := 0; off < len(b); off += 1 << 20 {
+		n := min(1<<20, len(b)-off)
+		lo := (start + off) &^ 7
+		hi := (start + off + n + 7) &^ 7
+		fill(want[:hi-lo], lo, seed)
+		w := want[start+off-lo:]
 		for i := 0; i < n; i++ {
-			if b[off+i] != want[i] {
-				return fmt.Errorf("%w at byte %d: got %#x, want %#x", errMismatch, start+off+i, b[off+i], want[i])
+			if b[off+i] != w[i] {
+				return fmt.Errorf("%w at byte %d: got %#x, want %#x", errMismatch, start+off+i, b[off+i], w[i])
 			}
 		}
 	}

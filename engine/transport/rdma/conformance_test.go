@@ -23,6 +23,7 @@ func TestConformance(t *testing.T) {
 		o.Registry.Watch(p.owner)
 		o.Initiator.Watch(p.init)
 		o.Progress = func() int64 { return int64(p.init.Stats().Completed) }
+		o.Concurrent = true // slices stripe across NIC pairs
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		ep, err := p.init.Dial(ctx, "owner:1", initiatorName)

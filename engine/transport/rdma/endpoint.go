@@ -292,6 +292,15 @@ func (e *Endpoint) Abort(reason error) {
 	delete(e.t.eps, e)
 	e.t.opMu.Unlock()
 	if left > 0 {
+		// Work requests the NIC never flushed may still move bytes: no
+		// drain of their requests can be promised, on any later path.
+		e.mu.Lock()
+		for rid, r := range e.reqs {
+			if r.inflight > 0 {
+				e.t.markUncertain(e.peer, rid)
+			}
+		}
+		e.mu.Unlock()
 		e.t.log.Error("kvferry: rdma work requests not flushed after abort; their QPs are kept (never reused) so the NIC cannot touch freed state", "peer", e.peer, "left", left)
 		return
 	}
@@ -806,13 +815,27 @@ func (e *Endpoint) reset(p *pair) {
 	backoff := 20 * time.Millisecond
 	for {
 		e.mu.Lock()
+		flushBy := time.Now().Add(abortFlushTimeout)
 		for p.inflight > 0 && !e.dead {
+			if time.Now().After(flushBy) {
+				// The provider does not flush the broken QP: nothing of
+				// this path can be trusted any more. Aborting it bounds
+				// every wait on it (and marks what is still out
+				// uncertain); the engine dials a fresh path.
+				e.mu.Unlock()
+				go e.Abort(fmt.Errorf("%w: a broken NIC path's work was not flushed in %v", transport.ErrConnection, abortFlushTimeout))
+				e.mu.Lock()
+				break
+			}
 			e.mu.Unlock()
 			select {
 			case <-e.ctx.Done():
 			case <-time.After(200 * time.Microsecond):
 			}
 			e.mu.Lock()
+		}
+		for p.inflight > 0 && !e.dead {
+			e.cond.Wait() // the abort started above makes the endpoint dead
 		}
 		if e.dead {
 			p.resetting = false
@@ -831,6 +854,17 @@ func (e *Endpoint) reset(p *pair) {
 		if err == nil {
 			e.t.stats.Reconnects.Add(1)
 			e.mu.Lock()
+			if !p.healthy && !e.dead {
+				// Broken again between connect and here: breakPair saw
+				// the reset still running and left the reconnect to it.
+				// What was posted on the new QP meanwhile is flushed.
+				qp := p.qp
+				e.mu.Unlock()
+				if qp != nil {
+					_ = qp.ToError()
+				}
+				continue
+			}
 			p.resetting = false
 			e.cond.Broadcast()
 			e.mu.Unlock()

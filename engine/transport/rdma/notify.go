@@ -217,6 +217,9 @@ func (e *Endpoint) Notify(ctx context.Context, requestID uint64, data []byte) er
 	done := make(chan uint32, 1)
 	c := &wrCtx{ep: e, pair: p, send: &sendCtx{slot: slot, done: done}}
 	id := e.t.track(c)
+	if p.inflight == 0 {
+		p.progress = time.Now() // the watchdog times the SEND from here
+	}
 	p.inflight++
 	p.nic.inflight.Add(1)
 	wr := verbs.WR{ID: id, LocalAddr: p.nic.slots.addr(slot), Length: uint32(notifyHeader + len(data)), LKey: p.nic.slots.mr.LKey, Opcode: verbs.OpSend, Flags: verbs.FlagSignaled}
@@ -285,6 +288,7 @@ type sendCtx struct {
 func (e *Endpoint) sent(c *wrCtx, status uint32) {
 	e.mu.Lock()
 	c.pair.inflight--
+	c.pair.progress = time.Now()
 	if status != verbs.WCSuccess {
 		e.breakPair(c.pair, fmt.Errorf("notification SEND: status %d", status))
 	}

@@ -74,7 +74,7 @@ type Options struct {
 	Timeout, RetryCount uint8
 	// CompletionTimeout is how long a NIC path may hold work requests
 	// without any completing before it is declared broken (its QP goes
-	// to the error state, which flushes them); 30 s when zero. It keeps
+	// to the error state, which flushes them); 10 s when zero. It keeps
 	// every wait bounded where a provider never completes a request.
 	CompletionTimeout time.Duration
 	// RequestTimeout bounds each handshake exchange; 5 s when zero.
@@ -220,7 +220,7 @@ func New(opts Options) (*Transport, error) {
 		opts.RetryCount = 6
 	}
 	if opts.CompletionTimeout <= 0 {
-		opts.CompletionTimeout = 30 * time.Second
+		opts.CompletionTimeout = 10 * time.Second
 	}
 	if opts.RequestTimeout == 0 {
 		opts.RequestTimeout = 5 * time.Second

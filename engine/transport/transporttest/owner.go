@@ -30,6 +30,11 @@ type Owner struct {
 	// code is not on the data path (rdma: work requests completed) has
 	// done; the suite uses it where it would count Enters or Admits.
 	Progress func() int64
+	// Concurrent says that the endpoint runs the slices posted to it on
+	// several paths at once (rdma: NIC pairs), so two slices may complete
+	// in either order; without it the suite holds the endpoint to the
+	// order of Post.
+	Concurrent bool
 
 	mu      sync.Mutex
 	gate    chan struct{}
