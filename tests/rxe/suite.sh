@@ -56,7 +56,8 @@ part() {
   fi
   printf '%-18s %-16s %4d passed %3d failed %3d skipped (tests and subtests) %5ss\n' "$name" "$verdict" "$p" "$f" "$s" "$(secs "$t0" "$(now)")" | tee -a "$summary"
   # Each skip with its reason (the test's last line before its result).
-  awk '/^ *[A-Za-z_]+\.go:[0-9]+: / { last = $0 } /^ *--- SKIP: / { sub(/^ *[A-Za-z_]+\.go:[0-9]+: /, "", last); printf "    skipped %s: %s\n", $3, last; last = "" }' "$log" | head -20 >>"$summary"
+  # Subtests skipped for their parent's reason print none of their own.
+  awk '/^ *[A-Za-z_]+\.go:[0-9]+: / { last = $0 } /^ *--- SKIP: / { sub(/^ *[A-Za-z_]+\.go:[0-9]+: /, "", last); if (last == "") last = "as above"; printf "    skipped %s: %s\n", $3, last; last = "" }' "$log" | head -30 >>"$summary"
 }
 
 short=-test.short
