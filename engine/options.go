@@ -71,10 +71,11 @@ type Options struct {
 	// RDMACompletionTimeout bounds how long an rdma NIC path may hold
 	// work requests without a single completion: past it the path is
 	// declared broken (its QP goes to the error state, which flushes what
-	// was posted) and its work moves to another path, so that a provider
-	// or peer that never answers cannot make a wait last for ever (a path
-	// whose broken QP is not flushed either is aborted 5 s later). 10 s
-	// when zero, at least 10 ms: below DefaultTimeout, so that a
+	// was posted) and its work moves to another path, so that a peer
+	// that never answers cannot make a wait last for ever (a path whose
+	// broken QP is not flushed either is aborted 5 s later; a work request
+	// the NIC never completes at all keeps its slice unfinished). 10 s
+	// when zero, at least 10 ms: below DefaultTimeout's 30 s, so that a
 	// synchronous transfer is rescued rather than timed out, and far
 	// above what a healthy NIC takes between two completions (its own
 	// retries end a work request in well under 2 s). A single work

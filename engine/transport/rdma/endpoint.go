@@ -819,9 +819,12 @@ func (e *Endpoint) reset(p *pair) {
 		for p.inflight > 0 && !e.dead {
 			if time.Now().After(flushBy) {
 				// The provider does not flush the broken QP: nothing of
-				// this path can be trusted any more. Aborting it bounds
-				// every wait on it (and marks what is still out
-				// uncertain); the engine dials a fresh path.
+				// this path can be trusted any more. Aborting it fails
+				// its queued slices, lets the engine dial a fresh path
+				// and marks what is still out uncertain. Slices with a
+				// work request the NIC never completes stay unfinished
+				// (their memory may still be touched), so a wait on
+				// them outlives its deadline.
 				e.mu.Unlock()
 				go e.Abort(fmt.Errorf("%w: a broken NIC path's work was not flushed in %v", transport.ErrConnection, abortFlushTimeout))
 				e.mu.Lock()
