@@ -43,6 +43,40 @@ func fakeControl(t *testing.T, cmd string) {
 	fakeverbs.Control(t, cmd)
 }
 
+// slowWrite starts, over rdma, one WRITE of size bytes of oldByte for
+// request rid into a fresh owner range, with the fake placing it slowly
+// (faults), and returns once its first bytes landed.
+func slowWrite(t *testing.T, opts engine.Options, size int, rid uint64, faults string) (owner, init *engine.Engine, dst []byte, b *engine.Batch) {
+	t.Helper()
+	owner = newEngineWith(t, rdmaOpts(t, opts))
+	init = newEngineWith(t, rdmaOpts(t, opts))
+	dst, src := alloc(t, owner, size), alloc(t, init, size)
+	fillByte(src, oldByte)
+	seg := openSegment(t, init, owner.Name())
+	fakeControl(t, faults)
+	b = submit(t, init, withRID(write(src, seg, engine.AddrOf(dst), size), rid, 0))
+	waitFor(t, 10*time.Second, "first bytes landed", func() bool { return bytes.IndexByte(dst, oldByte) >= 0 })
+	return owner, init, dst, b
+}
+
+// settledOldBytes waits until nothing lands in b any more, then counts
+// its bytes of oldByte: the fake places a chunk every few milliseconds
+// while it places anything, so a count unchanged for 250 ms means no WRITE
+// into b is being placed (work the fake still held when the initiator's
+// task ended, late-landing flushed work included, has landed).
+func settledOldBytes(t *testing.T, b []byte) int {
+	t.Helper()
+	const quiet = 250 * time.Millisecond
+	n, since := bytes.Count(b, []byte{oldByte}), time.Now()
+	waitFor(t, 30*time.Second, "placement into the range settled", func() bool {
+		if m := bytes.Count(b, []byte{oldByte}); m != n {
+			n, since = m, time.Now()
+		}
+		return time.Since(since) >= quiet
+	})
+	return n
+}
+
 // Data both ways over rdma, with every byte checked, and the slices spread
 // across every local NIC: all NICs are equally good for "cpu" memory (the
 // fake's and soft-RoCE's alike), so no NIC may sit idle while another
@@ -175,23 +209,15 @@ func TestRDMAAbortRowsOfSafetyMD(t *testing.T) {
 	for _, row := range rows {
 		t.Run(row.name, func(t *testing.T) {
 			const rid = 77
-			owner := newEngineWith(t, rdmaOpts(t, row.opts))
-			init := newEngineWith(t, rdmaOpts(t, row.opts))
-			dst, src := alloc(t, owner, size), alloc(t, init, size)
-			fillByte(src, oldByte)
-			seg := openSegment(t, init, owner.Name())
 			// 64 KiB chunks, 3 ms apart: the WRITE lands over ~400 ms.
-			fakeControl(t, "delay dev=fake0 us=3000;delay dev=fake1 us=3000")
-			b := submit(t, init, withRID(write(src, seg, engine.AddrOf(dst), size), rid, 0))
-			waitFor(t, 10*time.Second, "first bytes landed", func() bool { return bytes.IndexByte(dst, oldByte) >= 0 })
+			owner, init, dst, b := slowWrite(t, row.opts, size, rid, "delay dev=fake0 us=3000;delay dev=fake1 us=3000")
 			res, err := owner.Abort(testCtx(t, 20*time.Second), rid, []string{init.Name()})
 			if err != nil || !res.Safe {
 				t.Fatalf("abort = %+v, %v; want Safe", res, err)
 			}
 			fillByte(dst, reusedByte)
 			r := waitBatch(t, b, 60*time.Second)[0]
-			time.Sleep(100 * time.Millisecond) // anything still queued in the fake lands meanwhile
-			old := bytes.Count(dst, []byte{oldByte})
+			old := settledOldBytes(t, dst)
 			st := owner.Stats()
 			t.Logf("task %v after %d bytes; %d old bytes in the reused range; owner fences %d", r.Status, r.Transferred, old, st.RDMAFences)
 			if row.corrupt {
@@ -357,7 +383,10 @@ func TestRDMAWatchdogTimesANotificationFromItsOwnPost(t *testing.T) {
 	seg := openSegment(t, init, owner.Name())
 	transfer(t, init, 30*time.Second, withRID(write(src, seg, engine.AddrOf(dst), size), rid, 0))
 
-	time.Sleep(3 * ct) // idle: every pair's last completion is now older than the timeout
+	// The scenario, not synchronization: an idle spell after which every
+	// pair's last completion is older than the timeout (longer only
+	// makes it older).
+	time.Sleep(3 * ct)
 
 	// Every WR now waits 150 ms in the responder before it runs: slow,
 	// but each completes well inside the 400 ms completion timeout.
@@ -368,7 +397,7 @@ func TestRDMAWatchdogTimesANotificationFromItsOwnPost(t *testing.T) {
 	if n := init.Stats().RDMAStalls; n != 0 {
 		t.Fatalf("control: a data WRITE that took 150 ms broke %d paths", n)
 	}
-	time.Sleep(3 * ct)
+	time.Sleep(3 * ct) // idle again, as above
 
 	err := init.Notify(testCtx(t, 10*time.Second), seg, rid, []byte("kv ready"))
 	st := init.Stats()
@@ -400,16 +429,12 @@ func TestRDMAWatchdogChurnNeverMakesAnAbortSafeEarly(t *testing.T) {
 	for _, row := range rows {
 		for round := 0; round < rounds; round++ {
 			t.Run(row.name, func(t *testing.T) {
-				rid := uint64(900 + round)
-				owner := newEngineWith(t, rdmaOpts(t, row.opts))
-				init := newEngineWith(t, rdmaOpts(t, row.opts))
-				dst, src := alloc(t, owner, size), alloc(t, init, size)
-				fillByte(src, oldByte)
-				seg := openSegment(t, init, owner.Name())
 				// 1 MiB WRs of 16 chunks 3 ms apart: 48 ms each, past the 30 ms timeout.
-				fakeControl(t, "delay dev=fake0 us=3000;delay dev=fake1 us=3000;late_land dev=fake0 on=1;late_land dev=fake1 on=1")
-				b := submit(t, init, withRID(write(src, seg, engine.AddrOf(dst), size), rid, 0))
+				rid := uint64(900 + round)
+				owner, init, dst, b := slowWrite(t, row.opts, size, rid, "delay dev=fake0 us=3000;delay dev=fake1 us=3000;late_land dev=fake0 on=1;late_land dev=fake1 on=1")
 				waitFor(t, 10*time.Second, "watchdog broke a path", func() bool { return init.Stats().RDMAStalls > 0 })
+				// Not synchronization: each round aborts at another point
+				// of the churn.
 				time.Sleep(time.Duration(round*40) * time.Millisecond)
 				res, err := owner.Abort(testCtx(t, 3*time.Second), rid, []string{init.Name()})
 				if err != nil {
@@ -419,8 +444,7 @@ func TestRDMAWatchdogChurnNeverMakesAnAbortSafeEarly(t *testing.T) {
 					fillByte(dst, reusedByte)
 				}
 				r := waitBatch(t, b, 60*time.Second)[0]
-				time.Sleep(500 * time.Millisecond)
-				old := bytes.Count(dst, []byte{oldByte})
+				old := settledOldBytes(t, dst)
 				st := init.Stats()
 				t.Logf("abort %+v; task %v; stalls %d failovers %d; old bytes after reuse %d", res, r.Status, st.RDMAStalls, st.RDMAFailovers, old)
 				if res.Safe && old != 0 {

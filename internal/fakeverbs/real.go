@@ -26,8 +26,9 @@ func Library(t testing.TB) string {
 }
 
 // Devices is the device filter of the engine that plays role ("owner",
-// "initiator", or "" for an engine that may use every device) in an rdma test: on real devices KVFERRY_TEST_RDMA_OWNER_DEVICES
-// or KVFERRY_TEST_RDMA_INITIATOR_DEVICES when set (so that the two ends use
+// "initiator", or "" for an engine that may use every device) in an rdma
+// test: on real devices KVFERRY_TEST_RDMA_OWNER_DEVICES or
+// KVFERRY_TEST_RDMA_INITIATOR_DEVICES when set (so that the two ends use
 // different NICs and their traffic crosses a link), else
 // KVFERRY_RDMA_DEVICES; on the fake "" (every fake NIC).
 func Devices(role string) string {

@@ -94,11 +94,15 @@ fi
 # Throughput in this boot: perftest against kvferry-bench over the same
 # link (initiator on rxe1, target on rxe0), as ratios.
 bw() { # perftest tool, size: prints GB/s (1e9 bytes)
-  local tool=$1 size=$2 srv
-  "$tool" -d "${RXE_DEV0:-rxe0}" -x "${RXE_GID0:-1}" -s "$size" -n "$3" -F >/dev/null 2>&1 &
+  local tool=$1 size=$2 srv port=18515 n=300
+  timeout 180 "$tool" -d "${RXE_DEV0:-rxe0}" -x "${RXE_GID0:-1}" -p "$port" -s "$size" -n "$3" -F >/dev/null 2>&1 &
   srv=$!
-  sleep 1
-  timeout 120 "$tool" -d "${RXE_DEV1:-rxe1}" -x "${RXE_GID1:-1}" -s "$size" -n "$3" -F "${RXE_ADDR0:-10.77.0.1}" 2>/dev/null |
+  # The client connects once the server listens (polled, bounded at 30 s).
+  until ss -Hltn "sport = :$port" | grep -q .; do
+    if ! kill -0 "$srv" 2>/dev/null || [ $((n -= 1)) -le 0 ]; then printf "n/a"; return; fi
+    sleep 0.1
+  done
+  timeout 120 "$tool" -d "${RXE_DEV1:-rxe1}" -x "${RXE_GID1:-1}" -p "$port" -s "$size" -n "$3" -F "${RXE_ADDR0:-10.77.0.1}" 2>/dev/null |
     awk -v s="$size" '$1 == s && NF >= 5 { printf "%.4f", $4 * 1048576 / 1e9; found=1 } END { if (!found) printf "n/a" }'
   wait "$srv" 2>/dev/null
 }

@@ -74,8 +74,10 @@ type Options struct {
 	Timeout, RetryCount uint8
 	// CompletionTimeout is how long a NIC path may hold work requests
 	// without any completing before it is declared broken (its QP goes
-	// to the error state, which flushes them); 10 s when zero. It keeps
-	// every wait bounded where a provider never completes a request.
+	// to the error state, which flushes them); 10 s when zero. A peer
+	// that stops answering then cannot hold a wait; work requests the
+	// provider never completes, not even by a flush, still keep their
+	// slices unfinished.
 	CompletionTimeout time.Duration
 	// RequestTimeout bounds each handshake exchange; 5 s when zero.
 	RequestTimeout time.Duration
@@ -181,8 +183,8 @@ func (t *Transport) Stats() Stats {
 
 func (t *Transport) postedByNIC() map[string]uint64 {
 	m := make(map[string]uint64, len(t.nics))
-	for _, n := range t.nics {
-		m[n.Name+":"+strconv.Itoa(n.Port.Num)] = n.posted.Load()
+	for i, name := range t.NICNames() {
+		m[name] = t.nics[i].posted.Load()
 	}
 	return m
 }
