@@ -810,7 +810,9 @@ func kvfgo_batch_cancel(h C.uintptr_t) (st C.int) {
 	if err != nil {
 		return fail(fn, err)
 	}
-	bh.b.Cancel()
+	if err := bh.b.Cancel(); err != nil {
+		return fail(fn, err)
+	}
 	return statusOK
 }
 

@@ -22,7 +22,7 @@ _Static_assert(sizeof(kvf_task_status) == 16, "kvf_task_status layout is part of
 _Static_assert(sizeof(kvf_engine_options) == 72, "kvf_engine_options layout is part of the ABI");
 _Static_assert(sizeof(kvf_memory_range) == 24, "kvf_memory_range layout is part of the ABI");
 _Static_assert(sizeof(kvf_event) == 152, "kvf_event layout is part of the ABI");
-_Static_assert(KVF_STATUS_MAX == KVF_ERR_TRUNCATED, "KVF_STATUS_MAX is the last code");
+_Static_assert(KVF_STATUS_MAX == KVF_ERR_IN_USE, "KVF_STATUS_MAX is the last code");
 
 /* ---- the calling thread's last error ---------------------------------- */
 
@@ -93,6 +93,7 @@ const char *kvf_status_str(int status) {
     case KVF_ERR_ABORTED: return "aborted by the owner";
     case KVF_ERR_PROTOCOL: return "protocol violation by a peer";
     case KVF_ERR_TRUNCATED: return "output buffer too small";
+    case KVF_ERR_IN_USE: return "memory may still be touched";
     }
     return "unknown status";
 }

@@ -61,6 +61,7 @@ const (
 	errAborted           C.int = C.KVF_ERR_ABORTED
 	errProtocol          C.int = C.KVF_ERR_PROTOCOL
 	errTruncated         C.int = C.KVF_ERR_TRUNCATED
+	errInUse             C.int = C.KVF_ERR_IN_USE
 	defaultTimeoutMillis       = C.KVF_TIMEOUT_DEFAULT
 )
 
@@ -84,6 +85,8 @@ func codeOf(err error) C.int {
 		return statusOK
 	case is(errHandle, engine.ErrBatchFreed):
 		return errHandleCode
+	case is(engine.ErrMemoryInUse):
+		return errInUse
 	case is(engine.ErrClosed, transport.ErrClosed, control.ErrClosed):
 		return errClosed
 	case is(engine.ErrUnreachable, engine.ErrPeerDead):

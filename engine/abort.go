@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"sync"
 	"time"
 
@@ -57,7 +58,9 @@ type pendingAbort struct {
 	drainedOnly bool
 	acked       []string
 	landed      uint64
-	done        chan struct{} // closed when wait is empty
+	done        chan struct{}   // closed when wait is empty
+	drained     map[string]bool // initiators whose ACK promised a drain
+	kick        chan struct{}   // signaled on each drained ACK
 }
 
 type abortKey struct {
@@ -97,7 +100,6 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 			names = append(names, name)
 		}
 	}
-	named := len(names)
 	deadline, ok := ctx.Deadline()
 	if !ok {
 		deadline = time.Now().Add(e.opts.DefaultTimeout)
@@ -119,7 +121,17 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		if err != nil {
 			return AbortResult{}, fmt.Errorf("abort: %w", err)
 		}
+		// After the generation bump: an initiator admitted before it
+		// is listed here (see rdma's holders), whether the application
+		// named it or not; one asking after it is refused.
+		for _, name := range e.holders(requestID) {
+			if !wait[name] {
+				wait[name] = true
+				names = append(names, name)
+			}
+		}
 	}
+	named := len(names)
 	// Every transport serving peers needs a fence: refusal where the
 	// owner's code copies the bytes, else the transport's own (Fencer),
 	// else the initiators' drained ACKs. The unsafe test mode trusts ACKs.
@@ -129,6 +141,9 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		for _, t := range e.servers() {
 			if c, ok := t.(transport.OwnerCopier); ok && c.OwnerCopies() {
 				continue
+			}
+			if _, ok := t.(transport.AccessTracker); ok && named == 0 {
+				continue // no initiator holds access to the request through it
 			}
 			if fe, ok := t.(interface{ FenceEnabled() bool }); ok && !fe.FenceEnabled() {
 				needAcks = true
@@ -141,7 +156,8 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 			needAcks = true
 		}
 	}
-	pa := &pendingAbort{rid: requestID, gen: gen, wait: wait, drainedOnly: !unsafe, done: make(chan struct{})}
+	pa := &pendingAbort{rid: requestID, gen: gen, wait: wait, drainedOnly: !unsafe, done: make(chan struct{}),
+		drained: map[string]bool{}, kick: make(chan struct{}, 1)}
 	if named == 0 {
 		close(pa.done)
 	} else {
@@ -169,22 +185,26 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 			reason = fmt.Errorf("copies of request %d still in progress at the deadline: %w", requestID, ErrTimeout)
 		}
 	}
-	if len(fences) > 0 {
-		// Before the fence: from now on the initiators may not connect
+	if len(fences) > 0 && reason == nil {
+		// An initiator that promptly promises the drain needs no fence,
+		// and its other requests go on undisturbed; the others are
+		// fenced.
+		cut := pa.undrained(ctx, names, e.opts.RDMAFenceGrace)
+		// Before the fence: from now on those initiators may not connect
 		// new QPs until they acknowledged this abort.
-		for _, name := range names {
+		for _, name := range cut {
 			if err := e.noteFence(name, abortKey{requestID, gen}); err != nil && reason == nil {
 				reason = err
 			}
 		}
-	}
-	for _, f := range fences {
-		for _, name := range names {
-			if reason != nil {
-				break
-			}
-			if err := f.Fence(ctx, name); err != nil {
-				reason = fmt.Errorf("fence %s: %w", name, err)
+		for _, f := range fences {
+			for _, name := range cut {
+				if reason != nil {
+					break
+				}
+				if err := f.Fence(ctx, name); err != nil {
+					reason = fmt.Errorf("fence %s: %w", name, err)
+				}
 			}
 		}
 	}
@@ -218,6 +238,49 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 	res.Safe = true
 	e.stats.abortsSafe.Add(1)
 	return res, nil
+}
+
+// holders lists the initiators that hold access to requestID ahead of its
+// bytes on some transport (rdma rkeys).
+func (e *Engine) holders(requestID uint64) []string {
+	var out []string
+	for _, t := range e.servers() {
+		if h, ok := t.(transport.AccessTracker); ok {
+			out = append(out, h.Holders(requestID)...)
+		}
+	}
+	return out
+}
+
+// undrained waits up to grace (and ctx) for a drained ACK from each of
+// names, and returns those without one.
+func (pa *pendingAbort) undrained(ctx context.Context, names []string, grace time.Duration) []string {
+	var timeout <-chan time.Time
+	if grace > 0 {
+		t := time.NewTimer(grace)
+		defer t.Stop()
+		timeout = t.C
+	}
+	for {
+		pa.mu.Lock()
+		var left []string
+		for _, n := range names {
+			if !pa.drained[n] {
+				left = append(left, n)
+			}
+		}
+		pa.mu.Unlock()
+		if len(left) == 0 || timeout == nil {
+			return left
+		}
+		select {
+		case <-pa.kick:
+		case <-timeout:
+			timeout = nil
+		case <-ctx.Done():
+			timeout = nil
+		}
+	}
 }
 
 // maxSegmentName bounds a segment name (a ZMQ routing id holds 255 bytes).
@@ -306,6 +369,15 @@ func (e *Engine) handleAbortAck(from string, body []byte) (control.MsgType, []by
 		return 0, nil
 	}
 	pa.mu.Lock()
+	if m.Outcome == control.AckDrained && !pa.drained[from] {
+		if _, named := pa.wait[from]; named || slices.Contains(pa.acked, from) {
+			pa.drained[from] = true
+			select {
+			case pa.kick <- struct{}{}:
+			default:
+			}
+		}
+	}
 	if !pa.wait[from] || (pa.drainedOnly && m.Outcome != control.AckDrained && e.needDrainedAcks()) {
 		// A duplicate, an initiator not named, or an ACK that promises
 		// less than the fence needs: the ABORT is resent.
@@ -411,10 +483,7 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 		return 0, nil
 	}
 	if tb == nil {
-		tb = &tombstone{}
-		e.tombs[k] = tb
-		e.tombQueue = append(e.tombQueue, k)
-		e.trimTombsLocked()
+		tb = e.newTombLocked(k)
 	}
 	tb.minGen, tb.at, tb.drained, tb.owed = m.Generation, time.Now(), false, true
 	tasks := e.tasksOfLocked(from, m.RequestID, m.Generation)
@@ -442,7 +511,7 @@ func (e *Engine) tasksOfLocked(owner string, rid uint64, gen uint32) []*task {
 	for _, b := range batches {
 		b.mu.Lock()
 		for _, t := range b.tasks {
-			if t.req.RequestID == rid && t.req.Generation < gen && t.req.Segment.name == owner &&
+			if t.req.RequestID == rid && t.req.Generation < gen && t.req.Segment.id() == owner &&
 				!TaskStatus(t.status.Load()).Final() {
 				out = append(out, t)
 			}
@@ -505,28 +574,44 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 // work; it reports whether all did. Paths of tcp and local have nothing to
 // drain once their slices ended.
 func (e *Engine) drainPaths(k tombKey) bool {
-	if e.rdma != nil && e.rdma.Uncertain(k.owner, k.rid) {
-		// Some path, perhaps one replaced or closed since, lost work of
-		// the request without the owner's answer: it may still land.
-		return false
-	}
+	// Segments by the owner's own name: one opened under an alias (a
+	// custom Resolver) is found too, and its paths know the owner by the
+	// alias.
 	e.segMu.Lock()
-	seg := e.segments[k.owner]
+	segs := make([]*Segment, 0, 1)
+	for _, seg := range e.segments {
+		if seg.id() == k.owner {
+			segs = append(segs, seg)
+		}
+	}
 	e.segMu.Unlock()
-	if seg == nil {
-		return true
+	if e.rdma != nil {
+		names := []string{k.owner}
+		for _, seg := range segs {
+			names = append(names, seg.name)
+		}
+		for _, n := range names {
+			if e.rdma.Uncertain(n, k.rid) {
+				// Some path, perhaps one replaced or closed since, lost
+				// work of the request without the owner's answer: it
+				// may still land.
+				return false
+			}
+		}
 	}
-	seg.mu.Lock()
 	var drainers []transport.Drainer
-	for _, ref := range seg.paths {
-		if ref == nil {
-			continue
+	for _, seg := range segs {
+		seg.mu.Lock()
+		for _, ref := range seg.paths {
+			if ref == nil {
+				continue
+			}
+			if d, ok := ref.ep.(transport.Drainer); ok {
+				drainers = append(drainers, d)
+			}
 		}
-		if d, ok := ref.ep.(transport.Drainer); ok {
-			drainers = append(drainers, d)
-		}
+		seg.mu.Unlock()
 	}
-	seg.mu.Unlock()
 	if len(drainers) == 0 {
 		return true
 	}
@@ -618,10 +703,7 @@ func (e *Engine) learnAbort(owner string, rid uint64, refusedGen uint32) {
 		return
 	}
 	if tb == nil {
-		tb = &tombstone{}
-		e.tombs[k] = tb
-		e.tombQueue = append(e.tombQueue, k)
-		e.trimTombsLocked()
+		tb = e.newTombLocked(k)
 	}
 	// The request's other transfers stop as on an ABORT, so that an ABORT
 	// arriving now is answered only once they ended; nothing is owed yet:
@@ -635,32 +717,55 @@ func (e *Engine) learnAbort(owner string, rid uint64, refusedGen uint32) {
 	}
 }
 
-// trimTombsLocked forgets the oldest initiator tombstones past the cap.
-func (e *Engine) trimTombsLocked() {
-	for len(e.tombs) > e.opts.MaxTombstones && len(e.tombQueue) > 0 {
-		delete(e.tombs, e.tombQueue[0])
-		e.tombQueue = e.tombQueue[1:]
+// newTombLocked adds an initiator tombstone, first forgetting the oldest
+// of the same owner past MaxTombstones (a cap per owner, so that one peer's
+// ABORTs never push out another owner's tombstones). A tombstone whose drain
+// has not finished, or whose ACK is still owed, is never forgotten: the
+// owner may be waiting on it, and a submit would otherwise slip past an
+// abort in progress. Those end within AbortDrainTimeout twice, so an owner
+// is over its cap only briefly. Called with abortMu held.
+func (e *Engine) newTombLocked(k tombKey) *tombstone {
+	q := e.tombQueues[k.owner]
+	for len(q) >= e.opts.MaxTombstones {
+		i := slices.IndexFunc(q, func(rid uint64) bool {
+			tb := e.tombs[tombKey{k.owner, rid}]
+			return tb == nil || (tb.drained && !tb.owed)
+		})
+		if i < 0 {
+			break
+		}
+		delete(e.tombs, tombKey{k.owner, q[i]})
+		q = slices.Delete(q, i, i+1)
 	}
+	tb := &tombstone{}
+	e.tombs[k] = tb
+	e.tombQueues[k.owner] = append(q, k.rid)
+	return tb
 }
 
 // sweepTombs forgets initiator tombstones older than TombstoneTTL whose
-// drain finished.
+// drain finished and whose ACK is not owed.
 func (e *Engine) sweepTombs(now time.Time) {
 	e.abortMu.Lock()
 	defer e.abortMu.Unlock()
-	i := 0
-	for ; i < len(e.tombQueue); i++ {
-		k := e.tombQueue[i]
-		tb := e.tombs[k]
-		if tb == nil {
-			continue
+	for owner, q := range e.tombQueues {
+		i := 0
+		for ; i < len(q); i++ {
+			tb := e.tombs[tombKey{owner, q[i]}]
+			if tb == nil {
+				continue
+			}
+			if now.Sub(tb.at) < e.opts.TombstoneTTL || !tb.drained || tb.owed {
+				break
+			}
+			delete(e.tombs, tombKey{owner, q[i]})
 		}
-		if now.Sub(tb.at) < e.opts.TombstoneTTL || !tb.drained {
-			break
+		if i == len(q) {
+			delete(e.tombQueues, owner)
+		} else if i > 0 {
+			e.tombQueues[owner] = slices.Clone(q[i:])
 		}
-		delete(e.tombs, k)
 	}
-	e.tombQueue = e.tombQueue[i:]
 }
 
 // abortedLocked reports whether a transfer of rid at gen to owner was aborted.
@@ -703,9 +808,25 @@ func (e *Engine) Revoke(ctx context.Context, grantID uint64) error {
 	if err := e.checkOpen(); err != nil {
 		return err
 	}
+	g, _ := e.reqs.GrantOf(grantID)
 	wait, err := e.reqs.Revoke(grantID)
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalidArg, err)
+	}
+	// An initiator holding rkeys admitted under the grant (rdma) is cut:
+	// it asks again after reconnecting, and is refused.
+	for _, t := range e.servers() {
+		h, okh := t.(transport.AccessTracker)
+		f, okf := t.(transport.Fencer)
+		if !okh || !okf || !slices.Contains(h.Holders(g.RequestID), g.Initiator) {
+			continue
+		}
+		if fe, ok := t.(interface{ FenceEnabled() bool }); ok && !fe.FenceEnabled() {
+			return fmt.Errorf("revoke grant %d: %s holds rkeys and the rdma fence is off: %w", grantID, g.Initiator, ErrUnsupported)
+		}
+		if err := f.Fence(ctx, g.Initiator); err != nil {
+			return fmt.Errorf("revoke grant %d: fence %s: %w", grantID, g.Initiator, err)
+		}
 	}
 	if wait == nil {
 		return nil

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/transport"
@@ -206,7 +207,7 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 		e.abortMu.RLock()
 		if len(e.tombs) > 0 {
 			for _, t := range tasks {
-				if t.req.RequestID != 0 && e.abortedLocked(t.req.Segment.name, t.req.RequestID, t.req.Generation) {
+				if t.req.RequestID != 0 && e.abortedLocked(t.req.Segment.id(), t.req.RequestID, t.req.Generation) {
 					t.final.Store(int32(Aborted))
 					aborted = append(aborted, t)
 				}
@@ -315,6 +316,7 @@ func (b *Batch) plan(ctx context.Context, reqs []Request) ([]*task, *slab, error
 			s.t = t
 			s.Op, s.Key, s.Remote, s.RequestID = r.Op, key, r.Remote+off, r.RequestID
 			s.Generation, s.GrantID = r.Generation, r.GrantID
+			s.Extent = transport.Span{Addr: r.Remote, Len: r.Length}
 			s.Local, s.LocalReg = lreg.Bytes(r.Local+off, ln), lreg
 			s.Done, s.Tag, s.Recheck = sliceDone, s, recheck
 		}
@@ -512,7 +514,7 @@ func (t *task) finish() {
 		e.stats.tasksAborted.Add(1)
 		if TaskStatus(t.final.Load()) != Aborted {
 			// Learned from the owner's refusal, not from its ABORT.
-			e.learnAbort(t.req.Segment.name, t.req.RequestID, t.req.Generation)
+			e.learnAbort(t.req.Segment.id(), t.req.RequestID, t.req.Generation)
 		}
 	}
 	switch st {
@@ -551,10 +553,12 @@ func cancelErr(st TaskStatus) error {
 }
 
 // cancel ends every task still in flight with status st. It returns once
-// none of their slices touches memory any more: queued and on-the-wire slices
-// are dropped, and paths copying a slice right now are cut (their other
-// slices are retried elsewhere).
-func (t *task) cancel(st TaskStatus, cut map[*pathRef]struct{}) {
+// none of their slices touches memory any more: queued and on-the-wire
+// slices are dropped, slices a path is copying right now are stopped by
+// the path (added to cut: one by one where the path can, else by cutting
+// the path, whose other slices are retried elsewhere), and slices being
+// staged end after the chunk being copied.
+func (t *task) cancel(st TaskStatus, cut map[*pathRef][]*transport.Slice) {
 	if TaskStatus(t.status.Load()).Final() || !t.final.CompareAndSwap(0, int32(st)) {
 		return
 	}
@@ -569,38 +573,66 @@ func (t *task) cancel(st TaskStatus, cut map[*pathRef]struct{}) {
 			st := s.State()
 			if st == transport.StateActive || st == transport.StateReceiving {
 				if ref := s.path.Load(); ref != nil {
-					cut[ref] = struct{}{}
+					cut[ref] = append(cut[ref], &s.Slice)
 				}
 				break
 			}
-			if st == transport.StateDone || st == transport.StateCanceled {
-				break
+			if st == transport.StateDone || st == transport.StateCanceled || st == transport.StateStaging {
+				break // the stager ends a staging slice after its chunk
 			}
 			// Queued or Sent again (it moved on between the two looks): retry.
 		}
 	}
 }
 
-// cancel cancels every task in flight and waits until they are final.
-func (b *Batch) cancel(st TaskStatus, reason error) {
+// cancelBound is how long a cancel waits for paths to confirm that they
+// stopped touching the memory of the slices it cut (a NIC completing or
+// flushing its work, a staging copy ending) before it reports
+// ErrMemoryInUse.
+const cancelBound = 6 * time.Second
+
+// cancel cancels every task in flight and waits until they are final, or
+// reports ErrMemoryInUse after cancelBound.
+func (b *Batch) cancel(st TaskStatus, reason error) error {
 	tasks, idle := b.cancelSnapshot()
-	cut := map[*pathRef]struct{}{}
+	cut := map[*pathRef][]*transport.Slice{}
 	for _, t := range tasks {
 		t.cancel(st, cut)
 	}
+	ctx, stop := context.WithTimeout(context.Background(), cancelBound)
+	defer stop()
 	var wg sync.WaitGroup
-	for ref := range cut {
+	var errMu sync.Mutex
+	var inUse error
+	for ref, ss := range cut {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			if c, ok := ref.ep.(transport.SliceCanceler); ok {
+				if err := c.Cancel(ctx, ss); err != nil {
+					errMu.Lock()
+					inUse = err
+					errMu.Unlock()
+				}
+				return
+			}
 			ref.ep.Abort(fmt.Errorf("%w: %w", transport.ErrCanceled, reason))
 		}()
 	}
 	wg.Wait()
-	<-idle
+	select {
+	case <-idle:
+	case <-ctx.Done():
+		if inUse == nil {
+			inUse = fmt.Errorf("%w: tasks still in flight %v after the cancel", ErrMemoryInUse, cancelBound)
+		}
+		b.e.log.Error("kvferry: cancel could not confirm the engine stopped touching the memory", "err", inUse)
+		return fmt.Errorf("cancel: %w", inUse)
+	}
 	if st != Aborted && !errors.Is(reason, ErrClosed) {
 		b.e.tellCanceled(tasks)
 	}
+	return nil
 }
 
 // cancelSnapshot returns the tasks to cancel and the channel that closes
@@ -615,8 +647,11 @@ func (b *Batch) cancelSnapshot() ([]*task, chan struct{}) {
 }
 
 // Cancel ends every task still in flight as CANCELED and returns once the
-// engine no longer touches their memory.
-func (b *Batch) Cancel() { b.cancel(Canceled, ErrCanceled) }
+// engine no longer touches their memory: nil then. It returns an error
+// wrapping ErrMemoryInUse when that could not be confirmed within a bound
+// of about 6 s (a NIC that neither completes nor flushes work): the tasks
+// concerned stay in flight and their memory may still be touched.
+func (b *Batch) Cancel() error { return b.cancel(Canceled, ErrCanceled) }
 
 // Wait blocks until every submitted task is final or ctx ends; it returns
 // ctx's error in the latter case, with the tasks still running.
@@ -695,10 +730,13 @@ func (b *Batch) Free() error {
 // Transfer runs requests synchronously. It returns when every request is
 // final, or at ctx's deadline (DefaultTimeout when ctx has none): then the
 // remaining tasks end TIMEOUT (CANCELED if ctx was canceled), and Transfer
-// returns only after the engine stopped touching their memory, a bound of
-// one syscall or one memcpy chunk past the deadline. The error is nil when
-// every task completed; otherwise it is the error of the first task that
-// did not.
+// returns only after the engine stopped touching their memory: one syscall
+// or memcpy chunk past the deadline on tcp and local, one staging chunk for
+// GPU memory, and on rdma the completion of work already posted (after
+// 50 ms the NIC paths holding it are flushed). When a path cannot confirm
+// that within about 6 s, the error wraps ErrMemoryInUse. The error is nil
+// when every task completed; otherwise it is the error of the first task
+// that did not.
 func (e *Engine) Transfer(ctx context.Context, reqs []Request) ([]TaskResult, error) {
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
@@ -718,7 +756,9 @@ func (e *Engine) Transfer(ctx context.Context, reqs []Request) ([]TaskResult, er
 		if errors.Is(werr, context.Canceled) {
 			st = Canceled
 		}
-		b.cancel(st, werr)
+		if err := b.cancel(st, werr); err != nil {
+			return b.Results(), fmt.Errorf("transfer: %w", err)
+		}
 	}
 	res := b.Results()
 	for i, r := range res {

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"github.com/kvferry/kvferry/engine/transport"
 	"testing"
 )
 
@@ -40,7 +41,7 @@ func TestStaleCancelSnapshotNeverHitsTheNextBatch(t *testing.T) {
 	if err := b2.Submit(context.Background(), rs); err != nil {
 		t.Fatal(err)
 	}
-	cut := map[*pathRef]struct{}{}
+	cut := map[*pathRef][]*transport.Slice{}
 	for _, tk := range snap { // Batch.cancel, step 2, on the stale snapshot
 		tk.cancel(Canceled, cut)
 	}

@@ -86,9 +86,9 @@ type Engine struct {
 	// Initiator side: tombstones of requests owners aborted. abortMu is
 	// held shared by Submit from its tombstone check until its tasks are
 	// listed in their batch, and exclusively by an ABORT's handler.
-	abortMu   sync.RWMutex
-	tombs     map[tombKey]*tombstone
-	tombQueue []tombKey
+	abortMu    sync.RWMutex
+	tombs      map[tombKey]*tombstone
+	tombQueues map[string][]uint64 // per owner, its tombstones' request ids, oldest first
 
 	// Owner side of the rdma fence: aborts per initiator whose QPs were
 	// fenced and that initiator has not acknowledged; it may not connect
@@ -117,6 +117,7 @@ type engineCounters struct {
 	abortsSafe, abortsNotSafe, abortAcks, acksUnmatched atomic.Uint64
 	abortResends, abortsReceived, controlDropped        atomic.Uint64
 	eventsDropped, notifications, tasksAborted          atomic.Uint64
+	stagingInUse, stagers                               atomic.Int64
 }
 
 // New starts an engine: it binds the control plane on opts.Host:opts.Port
@@ -136,7 +137,7 @@ func New(opts Options) (*Engine, error) {
 		segments: map[string]*Segment{}, live: map[*Batch]struct{}{},
 		closed: make(chan struct{}), allocs: map[uint64][]byte{},
 		reqs:    requests.New(requests.Options{MaxTombstones: opts.MaxTombstones, TombstoneTTL: opts.TombstoneTTL}),
-		pending: map[abortKey]*pendingAbort{}, tombs: map[tombKey]*tombstone{},
+		pending: map[abortKey]*pendingAbort{}, tombs: map[tombKey]*tombstone{}, tombQueues: map[string][]uint64{},
 		events: make(chan Event, opts.EventQueue), efd: -1,
 		fenced: map[string]map[abortKey]struct{}{}, protoSaid: map[string]string{},
 	}
@@ -304,6 +305,9 @@ type Stats struct {
 	AbortsReceived      uint64 // ABORT messages received (duplicates too)
 	TasksAborted        uint64 // tasks that ended ABORTED
 	InitiatorTombstones int    // request ids we know aborted by their owner
+	// GPU staging through host memory.
+	StagingInUse int64 // staging buffers taken and not yet given back
+	Stagers      int64 // goroutines staging slices right now
 	// Events.
 	EventsDropped uint64 // events dropped because the queue was full
 	Notifications uint64 // notifications received and queued
@@ -318,6 +322,8 @@ type Stats struct {
 	RDMAGPUDmabuf     uint64 // GPU memory registrations through dma-buf
 	RDMAGPUPeermem    uint64 // GPU memory registrations as is (nvidia-peermem)
 	RDMAStalls        uint64 // NIC paths broken because no work request completed within RDMACompletionTimeout
+	RDMAKeyRequests   uint64 // rkey requests answered as owner (one per new request id and key on a path)
+	RDMAHolders       int    // (initiator, request id) pairs holding rkeys from us: an abort fences these initiators
 	// RDMAPostedByNIC counts work requests posted per local NIC port
 	// ("name:port"): how work stripes across NICs.
 	RDMAPostedByNIC map[string]uint64
@@ -347,6 +353,7 @@ func (e *Engine) Stats() Stats {
 		RDMAFailovers: rs2.Failovers, RDMAFences: rs2.Fences, RDMAFencesPending: nfenced,
 		RDMANotifications: rs2.Notifies, RDMAGPUDmabuf: rs2.DmabufMRs, RDMAGPUPeermem: rs2.PeermemMRs,
 		RDMAStalls: rs2.Stalls, RDMAPostedByNIC: rs2.PostedByNIC,
+		RDMAKeyRequests: rs2.KeyRequests, RDMAHolders: rs2.Holders,
 		AbortsSafe: e.stats.abortsSafe.Load(), AbortsNotSafe: e.stats.abortsNotSafe.Load(),
 		AbortAcks: e.stats.abortAcks.Load(), AcksUnmatched: e.stats.acksUnmatched.Load(),
 		AbortResends: e.stats.abortResends.Load(), Tombstones: rs.Tombstones, Grants: rs.Grants,
@@ -354,7 +361,8 @@ func (e *Engine) Stats() Stats {
 		AbortsReceived: e.stats.abortsReceived.Load(), TasksAborted: e.stats.tasksAborted.Load(),
 		InitiatorTombstones: ntomb, EventsDropped: e.stats.eventsDropped.Load(),
 		Notifications: e.stats.notifications.Load(),
-		BytesWritten:  e.stats.bytesWritten.Load(), BytesRead: e.stats.bytesRead.Load(),
+		StagingInUse:  e.stats.stagingInUse.Load(), Stagers: e.stats.stagers.Load(),
+		BytesWritten: e.stats.bytesWritten.Load(), BytesRead: e.stats.bytesRead.Load(),
 		TasksCompleted: e.stats.tasksCompleted.Load(), TasksFailed: e.stats.tasksFailed.Load(),
 		TasksCanceled: e.stats.tasksCanceled.Load(), TasksInFlight: e.stats.tasksInFlight.Load(),
 		Retries: e.stats.retries.Load(), OwnerBytesIn: t.BytesIn, OwnerBytesOut: t.BytesOut,

@@ -24,6 +24,11 @@ var (
 	ErrTimeout        = errors.New("transfer timed out")
 	ErrCanceled       = errors.New("transfer canceled")
 	ErrBusy           = errors.New("peer busy: its event queue is full")
+	// ErrMemoryInUse: the engine could not confirm, within its bound, that
+	// it stopped touching a transfer's memory (a NIC neither completed nor
+	// flushed its work, a GPU copy did not return): the memory may still
+	// be touched, and the tasks concerned stay in flight.
+	ErrMemoryInUse = transport.ErrInUse
 	// ErrAborted: the owner aborted the transfer's request id (the task
 	// ends ABORTED).
 	ErrAborted = transport.ErrAborted

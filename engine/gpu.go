@@ -104,6 +104,7 @@ func (e *Engine) getStage(dev, n int) (*stageBuf, error) {
 		b := free[len(free)-1]
 		e.gpu.pool[cls] = free[:len(free)-1]
 		e.gpu.poolMu.Unlock()
+		e.stats.stagingInUse.Add(1)
 		return b, nil
 	}
 	e.gpu.poolMu.Unlock()
@@ -122,6 +123,7 @@ func (e *Engine) getStage(dev, n int) (*stageBuf, error) {
 	} else {
 		e.log.Debug("kvferry: staging buffer not pinned; copies go through pageable memory", "err", err)
 	}
+	e.stats.stagingInUse.Add(1)
 	return b, nil
 }
 
@@ -134,6 +136,7 @@ func (e *Engine) freeStage(b *stageBuf) {
 }
 
 func (e *Engine) putStage(b *stageBuf) {
+	e.stats.stagingInUse.Add(-1)
 	e.gpu.poolMu.Lock()
 	if len(e.gpu.pool[b.cls]) < stageKeep {
 		e.gpu.pool[b.cls] = append(e.gpu.pool[b.cls], b)
@@ -206,19 +209,26 @@ type initStage struct {
 	buf  *stageBuf
 }
 
-// stageSlice prepares a GPU slice for a path without DirectGPU: a WRITE's
-// bytes are copied into a staging buffer first (after checking that its
-// task is still live), a READ lands in one and is copied out when it
-// completes. It reports false when the slice ended instead.
+// stageChunk is the most a staging copy moves per driver call: a cancel
+// waits for at most one chunk of a staging copy under way.
+const stageChunk = 4 << 20
+
+// stageSlice prepares a GPU slice for a path without DirectGPU, on the
+// stager (see postStaged), which owns the slice while it is Staging: a
+// WRITE's bytes are copied into a staging buffer chunk by chunk, each
+// chunk only while its task is live and its memory registered; a READ gets
+// a buffer to land in and is copied out when it completes (unstage). It
+// reports whether the slice is staged, Queued and ready to post; otherwise
+// it ended it.
 func (e *Engine) stageSlice(s *sliceT) bool {
-	dev := gpuOrdinal(s.LocalReg.Location)
-	if dev < 0 || s.stage != nil {
-		return true
+	if !s.Advance(transport.StateQueued, transport.StateStaging) {
+		return false // canceled (or taken) meanwhile
 	}
 	fail := func(err error) bool {
 		s.Finish(fmt.Errorf("GPU staging: %w", err))
 		return false
 	}
+	dev := gpuOrdinal(s.LocalReg.Location)
 	if _, err := e.cuda(); err != nil {
 		return fail(err)
 	}
@@ -228,27 +238,29 @@ func (e *Engine) stageSlice(s *sliceT) bool {
 	}
 	st := &initStage{dev: dev, gpu: s.Local, greg: s.LocalReg, buf: buf}
 	if s.Op == transport.Write {
-		// A staging copy is a copy under way like any other: it starts
-		// only while the task is live and its memory registered.
-		if f := s.t.final.Load(); f != 0 {
-			e.putStage(buf)
-			return fail(fmt.Errorf("%w: task ended", transport.ErrCanceled))
-		}
-		if err := st.greg.Enter(); err != nil {
-			e.putStage(buf)
-			return fail(err)
-		}
-		err := e.gpu.drv.Copy(dev, cuda.DeviceToHost, memory.AddrOf(buf.mem), memory.AddrOf(s.Local), uint64(len(s.Local)))
-		st.greg.Leave()
-		if err != nil {
-			e.putStage(buf)
-			return fail(err)
+		for off := 0; off < len(s.Local); off += stageChunk {
+			if f := s.t.final.Load(); f != 0 {
+				e.putStage(buf)
+				return fail(fmt.Errorf("%w: task ended", transport.ErrCanceled))
+			}
+			n := min(stageChunk, len(s.Local)-off)
+			if err := st.greg.Enter(); err != nil {
+				e.putStage(buf)
+				return fail(err)
+			}
+			err := e.gpu.drv.Copy(dev, cuda.DeviceToHost, memory.AddrOf(buf.mem)+uint64(off), memory.AddrOf(s.Local)+uint64(off), uint64(n))
+			st.greg.Leave()
+			if err != nil {
+				e.putStage(buf)
+				return fail(err)
+			}
 		}
 	}
 	s.stage = st
 	s.Local = buf.mem[:len(st.gpu):len(st.gpu)]
 	s.LocalReg = buf.reg
-	return true
+	// Queued: from here a cancel takes it (and unstage frees the buffer).
+	return s.Advance(transport.StateStaging, transport.StateQueued)
 }
 
 // unstage ends a staged slice's use of its buffer: a READ that succeeded
@@ -279,9 +291,11 @@ func (e *Engine) unstage(s *sliceT, err error) error {
 	return err
 }
 
-// postStaged posts slices on a path, staging those in GPU memory through
-// host memory first where the path cannot reach GPU memory. Each staged
-// slice is posted as soon as its copy is done, so the copy of the next one
+// postStaged posts slices on a path. Those in GPU memory, where the path
+// cannot reach GPU memory, are staged through host memory first, off the
+// caller's goroutine (Submit returns at once, and a deadline or cancel is
+// never stuck behind a copy): a stager goroutine stages them in order and
+// posts each as soon as its copy is done, so the copy of the next one
 // overlaps the network transfer of this one.
 func (e *Engine) postStaged(ref *pathRef, slices []*transport.Slice) {
 	if d, ok := ref.ep.(transport.DirectGPU); ok && d.DirectGPU() {
@@ -289,21 +303,37 @@ func (e *Engine) postStaged(ref *pathRef, slices []*transport.Slice) {
 		return
 	}
 	plain := slices[:0:0]
+	var staged []*transport.Slice
 	for _, s := range slices {
-		st := s.Tag.(*sliceT)
-		if gpuOrdinal(s.LocalReg.Location) < 0 && st.stage == nil {
+		// A slice staged before (a retry) is in host memory already.
+		if gpuOrdinal(s.LocalReg.Location) < 0 || s.Tag.(*sliceT).stage != nil {
 			plain = append(plain, s)
-			continue
-		}
-		if len(plain) > 0 {
-			ref.ep.Post(plain)
-			plain = plain[:0:0]
-		}
-		if e.stageSlice(st) {
-			ref.ep.Post([]*transport.Slice{s})
+		} else {
+			staged = append(staged, s)
 		}
 	}
 	if len(plain) > 0 {
 		ref.ep.Post(plain)
 	}
+	if len(staged) == 0 {
+		return
+	}
+	if !e.startBackground() {
+		for _, s := range staged {
+			if s.Advance(transport.StateQueued, transport.StateStaging) {
+				s.Finish(ErrClosed)
+			}
+		}
+		return
+	}
+	e.stats.stagers.Add(1)
+	go func() {
+		defer e.bg.Done()
+		defer e.stats.stagers.Add(-1)
+		for _, s := range staged {
+			if e.stageSlice(s.Tag.(*sliceT)) {
+				ref.ep.Post([]*transport.Slice{s})
+			}
+		}
+	}()
 }

@@ -169,12 +169,15 @@ func (e *Engine) Admit(a transport.Access) (transport.Target, error) {
 	if err != nil {
 		return transport.Target{}, err
 	}
-	if a.RequestID == 0 || e.opts.Testing.UnsafeAbort {
-		return e.stageTarget(transport.Target{Guard: r, Mem: r.Bytes(a.Addr, a.Length)}, r, &a)
+	var g transport.Guard = r
+	if a.RequestID != 0 && !e.opts.Testing.UnsafeAbort {
+		if g, err = e.reqs.Admit(&a, r); err != nil {
+			return transport.Target{}, err
+		}
 	}
-	g, err := e.reqs.Admit(&a, r)
-	if err != nil {
-		return transport.Target{}, err
+	t := transport.Target{Guard: g, Mem: r.Bytes(a.Addr, a.Length)}
+	if a.Direct {
+		return t, nil
 	}
-	return e.stageTarget(transport.Target{Guard: g, Mem: r.Bytes(a.Addr, a.Length)}, r, &a)
+	return e.stageTarget(t, r, &a)
 }

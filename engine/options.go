@@ -23,6 +23,7 @@ import (
 //	RDMANoFence        KVFERRY_RDMA_FENCE=0         false (the owner-side QP fence is on)
 //	RDMARetryCount     KVFERRY_RDMA_RETRY_COUNT     6 (at most 6)
 //	RDMACompletionTimeout KVFERRY_RDMA_COMPLETION_TIMEOUT_MS 10000 (at least 10)
+//	RDMAFenceGrace     KVFERRY_RDMA_FENCE_GRACE_MS  10 (0: fence at once)
 //	CUDALibrary        KVFERRY_CUDA_LIBRARY         libcuda.so.1 (loaded on first use of GPU memory)
 //	SliceSize          KVFERRY_SLICE_SIZE           1 MiB
 //	PathsPerPeer       KVFERRY_PATHS_PER_PEER       4
@@ -82,6 +83,14 @@ type Options struct {
 	// request slower than this (a 64 MiB slice on a link of a few MB/s)
 	// needs it raised.
 	RDMACompletionTimeout time.Duration
+	// RDMAFenceGrace is how long an Abort waits, with the fence on, for
+	// the drained ABORT_ACKs of the initiators that hold rkeys for the
+	// request (or were named) before it fences those that did not answer.
+	// An initiator that answers in time is not fenced, so its other
+	// requests go on undisturbed; one paused, partitioned or slow is
+	// fenced, and Abort stays bounded by its deadline either way. 10 ms
+	// when zero; negative fences at once (through the environment: 0).
+	RDMAFenceGrace time.Duration
 	// CUDALibrary is the CUDA driver loaded, at run time, the first time
 	// GPU memory is registered ("cuda:N", or "*" to detect).
 	CUDALibrary string
@@ -112,10 +121,12 @@ type Options struct {
 	// either way.
 	AbortDrainTimeout time.Duration
 	// MaxTombstones caps the aborted request ids remembered, on each side:
-	// as owner (accesses of them are refused) and as initiator (submits of
-	// them end ABORTED). Past the cap an owner forgets down to 7/8 of it,
-	// those acknowledged first, oldest first; an initiator forgets its
-	// oldest.
+	// as owner (accesses of them are refused) and as initiator, per owner
+	// (submits of them end ABORTED). Past the cap an owner forgets down to
+	// 7/8 of it, those acknowledged first, oldest first; an initiator
+	// forgets that owner's oldest whose drain finished and whose ACK was
+	// sent, never one still draining or owed. On rdma a submit of a
+	// forgotten request id still ends ABORTED: the owner refuses its rkeys.
 	MaxTombstones int
 	// TombstoneTTL is how long an aborted request id is remembered. An
 	// owner forgets one only once every initiator named acknowledged the
@@ -221,10 +232,14 @@ func (o *Options) applyEnv() error {
 		{"KVFERRY_TIMEOUT_MS", &o.DefaultTimeout}, {"KVFERRY_IO_TIMEOUT_MS", &o.IOTimeout},
 		{"KVFERRY_HEARTBEAT_MS", &o.HeartbeatInterval}, {"KVFERRY_ABORT_DRAIN_MS", &o.AbortDrainTimeout},
 		{"KVFERRY_TOMBSTONE_TTL_MS", &o.TombstoneTTL}, {"KVFERRY_RDMA_COMPLETION_TIMEOUT_MS", &o.RDMACompletionTimeout},
+		{"KVFERRY_RDMA_FENCE_GRACE_MS", &o.RDMAFenceGrace},
 	} {
 		if err := ms(f.name, f.dst); err != nil {
 			return err
 		}
+	}
+	if v := os.Getenv("KVFERRY_RDMA_FENCE_GRACE_MS"); v != "" && o.RDMAFenceGrace == 0 {
+		o.RDMAFenceGrace = -1 // 0 in the environment: fence at once
 	}
 	if v, ok := os.LookupEnv("KVFERRY_LOG_LEVEL"); ok && v != "" {
 		if err := o.LogLevel.UnmarshalText([]byte(v)); err != nil {
@@ -281,6 +296,9 @@ func (o *Options) fill() error {
 	}
 	def(&o.AbortDrainTimeout, 5*time.Second)
 	def(&o.RDMACompletionTimeout, 10*time.Second)
+	if o.RDMAFenceGrace == 0 {
+		o.RDMAFenceGrace = 10 * time.Millisecond
+	}
 	if o.RDMACompletionTimeout < 10*time.Millisecond {
 		return fmt.Errorf("rdma completion timeout %v: want at least 10ms", o.RDMACompletionTimeout)
 	}

@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvferry/kvferry/cuda"
 	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
@@ -38,6 +39,10 @@ func TestMain(m *testing.M) {
 	cleanup := fakeverbs.UseFabric()
 	code := m.Run()
 	cleanup()
+	if n := transport.IllegalTransitions(); n > 0 && code == 0 {
+		fmt.Fprintf(os.Stderr, "FAIL: %d slice state moves the state table refuses\n", n)
+		code = 1
+	}
 	os.Exit(code)
 }
 

@@ -89,6 +89,16 @@ type Segment struct {
 // Name is the segment's name, "host:port".
 func (s *Segment) Name() string { return s.name }
 
+// id is the peer's own name, from its descriptor: its control messages
+// (ABORT) come from it. It differs from name where a custom Resolver maps
+// an alias to the peer, so aborts and tombstones are matched by id.
+func (s *Segment) id() string {
+	if d := s.desc.Load(); d != nil && d.Name != "" {
+		return d.Name
+	}
+	return s.name
+}
+
 // Descriptor returns the segment's descriptor: the cached one for a peer,
 // the current one for the engine itself.
 func (s *Segment) Descriptor() *control.Descriptor {

@@ -104,12 +104,17 @@ typedef enum kvf_status {
     KVF_ERR_INTERNAL = 18,       /* a bug in kvferry; the message says where */
     KVF_ERR_ABORTED = 19,        /* the owner aborted the request id */
     KVF_ERR_PROTOCOL = 20,       /* a peer sent a malformed or unexpected message */
-    KVF_ERR_TRUNCATED = 21       /* the output buffer is too small; the length
+    KVF_ERR_TRUNCATED = 21,      /* the output buffer is too small; the length
                                     needed was reported */
+    KVF_ERR_IN_USE = 22          /* the engine could not confirm in time that it
+                                    stopped touching a transfer's memory (a NIC
+                                    neither completed nor flushed its work):
+                                    do not reuse that memory; its tasks stay
+                                    in flight */
 } kvf_status;
 
 /* Largest status code of this version. */
-#define KVF_STATUS_MAX 21
+#define KVF_STATUS_MAX 22
 
 /* A static, never NULL, English name of a status code, e.g. "invalid
  * argument"; "unknown status" for codes this version does not know. */
@@ -414,7 +419,10 @@ kvf_status kvf_batch_task_error(kvf_batch batch, size_t index, char *buf, size_t
 kvf_status kvf_batch_wait(kvf_batch batch, int timeout_ms);
 
 /* Ends every task still in flight as CANCELED and returns once the engine no
- * longer touches their memory (bounded by one socket write or copy chunk). */
+ * longer touches their memory: one socket write or copy chunk (a staging
+ * chunk for GPU memory); on rdma, work already posted completes or, after
+ * 50 ms, the NIC paths holding it are flushed. KVF_ERR_IN_USE when a path
+ * could not confirm it within about 6 s: the memory may still be touched. */
 kvf_status kvf_batch_cancel(kvf_batch batch);
 
 /* Frees the batch; refused with KVF_ERR_BUSY while tasks are in flight (wait
@@ -423,8 +431,9 @@ kvf_status kvf_batch_free(kvf_batch batch);
 
 /* Runs reqs[0..n) synchronously and returns when every request is final, or
  * at the deadline timeout_ms (> 0, or KVF_TIMEOUT_DEFAULT): then the
- * remaining tasks end TIMEOUT, and the call returns only after the engine stopped touching their memory (a bound
- * of one syscall or one copy chunk past the deadline). Returns KVF_OK when
+ * remaining tasks end TIMEOUT, and the call returns only after the engine
+ * stopped touching their memory (as kvf_batch_cancel: KVF_ERR_IN_USE when
+ * that could not be confirmed). Returns KVF_OK when
  * every request completed, else the error of the first that did not. out
  * (may be NULL) receives n task states, also on failure once the requests
  * were started; a request rejected before start (KVF_ERR_INVALID, ...)

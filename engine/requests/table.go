@@ -387,6 +387,17 @@ func (t *Table) Grant(initiator string, rid uint64, ranges []Range) (Grant, erro
 	return out, nil
 }
 
+// GrantOf returns the live grant id.
+func (t *Table) GrantOf(id uint64) (Grant, bool) {
+	t.grantMu.Lock()
+	defer t.grantMu.Unlock()
+	g := t.grants[id]
+	if g == nil {
+		return Grant{}, false
+	}
+	return Grant{ID: g.ID, Initiator: g.Initiator, RequestID: g.RequestID, Generation: g.Generation}, true
+}
+
 // Revoke withdraws a grant: accesses under it are refused from now on. It
 // returns a channel closed once no chunk of its request is in progress
 // (nil when none is).

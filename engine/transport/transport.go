@@ -69,6 +69,9 @@ type Access struct {
 	Key        memory.Key
 	Addr       uint64
 	Length     uint64
+	// Direct: the transport reaches the memory itself (rdma), so the
+	// owner stages nothing for it.
+	Direct bool
 }
 
 // Owner checks accesses to this engine's memory. The engine implements it
@@ -136,8 +139,20 @@ type DirectGPU interface {
 // Slice states. On a path a slice goes Queued -> Active -> Sent -> Done, a
 // READ through Receiving (from Sent, or from Active when its data overtakes
 // the sender); it may end (Done) from any of these when its path dies, and
-// goes to Canceled only from Queued or Sent. Only the engine moves a slice
-// back: Reset puts an ended slice in Queued again to retry it elsewhere.
+// goes to Canceled only from Queued or Sent. A path that posts a slice
+// again on its own puts it back from Active to Queued. Before a path has
+// it, the engine may take a Queued slice to Staging (copying GPU memory
+// through a host buffer) and give it back to Queued, or end it there. Only
+// the engine moves a slice back from an end: Reset puts an ended slice in
+// Queued again to retry it elsewhere.
+//
+// Each state has one owner, who alone moves the slice out of it (and may
+// touch its memory): a path in Active, Sent (only to Receiving or Done,
+// as the owner's answer arrives) and Receiving; the engine's stager in
+// Staging; whoever wins the compare-and-swap out of Queued (and a cancel,
+// TryCancel, out of Sent). Advance refuses a move the table below does
+// not allow, and counts it (IllegalTransitions), so a bug shows in tests
+// instead of corrupting a slice.
 const (
 	StateQueued    int32 = iota // waiting in the path's queue
 	StateActive                 // the path is reading or writing our memory for it
@@ -145,7 +160,42 @@ const (
 	StateReceiving              // READ data is being copied into our memory
 	StateDone                   // ended; Done was called
 	StateCanceled               // canceled before or after the wire; our memory is not touched again
+	StateStaging                // the engine copies its memory through a staging buffer
+	numStates
 )
+
+// allowed[from] is the set of states a slice may move to from from.
+var allowed = [numStates]uint8{
+	StateQueued:    1<<StateActive | 1<<StateCanceled | 1<<StateStaging | 1<<StateDone,
+	StateActive:    1<<StateSent | 1<<StateReceiving | 1<<StateQueued | 1<<StateDone,
+	StateSent:      1<<StateReceiving | 1<<StateCanceled | 1<<StateDone,
+	StateReceiving: 1 << StateDone,
+	StateDone:      1 << StateQueued,
+	StateCanceled:  1 << StateQueued,
+	StateStaging:   1<<StateQueued | 1<<StateDone,
+}
+
+var illegal atomic.Uint64
+
+// IllegalTransitions counts moves of a slice the state table refused: a
+// bug in a transport or the engine; tests assert it stays 0.
+func IllegalTransitions() uint64 { return illegal.Load() }
+
+func legal(from, to int32) bool {
+	if from < 0 || from >= numStates || to < 0 || to >= numStates || allowed[from]&(1<<to) == 0 {
+		illegal.Add(1)
+		return false
+	}
+	return true
+}
+
+// Span is a range of owner memory.
+type Span struct{ Addr, Len uint64 }
+
+// Contains reports whether [addr, addr+n) lies inside the span (n > 0).
+func (s Span) Contains(addr, n uint64) bool {
+	return n > 0 && addr >= s.Addr && n <= s.Len && addr-s.Addr <= s.Len-n
+}
 
 // Slice is one contiguous piece of a transfer, the unit a path moves.
 type Slice struct {
@@ -157,6 +207,11 @@ type Slice struct {
 	RequestID  uint64
 	Generation uint32
 	GrantID    uint64
+	// Extent is the owner range of the whole transfer the slice belongs
+	// to (its slices share Key, RequestID, Generation and GrantID): a
+	// transport that is admitted ahead of the bytes (rdma) asks the owner
+	// once for all of it.
+	Extent Span
 
 	// Done is called exactly once when the slice ends, with nil or the
 	// reason it failed. It must not block.
@@ -176,15 +231,25 @@ type Slice struct {
 // State returns the slice's current state.
 func (s *Slice) State() int32 { return s.state.Load() }
 
-// Reset prepares a slice to be posted (again).
-func (s *Slice) Reset() { s.state.Store(StateQueued) }
+// Reset prepares a slice to be posted (again): a new slice, or one that
+// ended and is retried on another path.
+func (s *Slice) Reset() {
+	if st := s.state.Load(); st != StateQueued && !legal(st, StateQueued) {
+		return
+	}
+	s.state.Store(StateQueued)
+}
 
 // Advance moves the slice from one state to another; it fails when the slice
-// is no longer in from (it was canceled or completed meanwhile).
-func (s *Slice) Advance(from, to int32) bool { return s.state.CompareAndSwap(from, to) }
+// is no longer in from (it was canceled or completed meanwhile), or when the
+// state table does not allow the move.
+func (s *Slice) Advance(from, to int32) bool {
+	return legal(from, to) && s.state.CompareAndSwap(from, to)
+}
 
 // Finish ends the slice with err unless it already ended or was canceled,
-// and reports whether this call ended it (and so called Done).
+// and reports whether this call ended it (and so called Done). Only the
+// owner of the slice's current state may call it (see the states).
 func (s *Slice) Finish(err error) bool {
 	for {
 		st := s.state.Load()
@@ -200,8 +265,9 @@ func (s *Slice) Finish(err error) bool {
 
 // TryCancel cancels a slice that is queued or already on the wire, so no
 // path touches its memory again, and reports whether it did. It fails while
-// a path is copying (Active, Receiving) or after the slice ended; the caller
-// then stops the path (Endpoint.Abort) and waits for Done.
+// a path or the stager is copying (Active, Receiving, Staging) or after the
+// slice ended; the caller then stops the path (Endpoint.Abort, or
+// SliceCanceler) or waits for the stager, and waits for Done.
 func (s *Slice) TryCancel() bool {
 	return s.state.CompareAndSwap(StateQueued, StateCanceled) || s.state.CompareAndSwap(StateSent, StateCanceled)
 }
@@ -236,6 +302,22 @@ type Endpoint interface {
 	Close() error
 }
 
+// SliceCanceler is an optional ability of endpoints that can stop some of
+// their slices in flight without failing the others (rdma: a work request
+// cannot be recalled, so it waits for its completion, and after a grace
+// flushes only the NIC paths that hold it). Cancel returns nil once none
+// of slices can touch memory any more; each then ends by its Done (or was
+// canceled by TryCancel). It returns an error wrapping ErrInUse when that
+// could not be confirmed by ctx's deadline: the memory may then still be
+// touched, and the slices stay unfinished until their work completes.
+type SliceCanceler interface {
+	Cancel(ctx context.Context, slices []*Slice) error
+}
+
+// ErrInUse: a path could not confirm that it stopped touching a slice's
+// memory (a NIC that neither completed nor flushed its work).
+var ErrInUse = errors.New("memory may still be touched")
+
 // OwnerCopier is an optional ability: a transport whose owner-side code
 // copies every byte itself (tcp, local) reports true, so the owner's refusal
 // of an aborted request, checked by Guard.Enter before each chunk, is a
@@ -254,6 +336,15 @@ type OwnerCopier interface {
 // execute.
 type Fencer interface {
 	Fence(ctx context.Context, initiator string) error
+}
+
+// AccessTracker is an optional ability of transports that admit an
+// initiator ahead of its bytes (rdma hands out rkeys, after which the
+// owner's code no longer sees the accesses): Holders names every initiator
+// that may still access owner memory for requestID without asking the
+// owner again, so that an abort fences each of them, named or not.
+type AccessTracker interface {
+	Holders(requestID uint64) []string
 }
 
 // Drainer is an optional ability of endpoints whose slices may still move

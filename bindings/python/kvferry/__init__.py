@@ -33,6 +33,7 @@ from .engine import (
     HandleError,
     InternalError,
     InvalidArgumentError,
+    MemoryInUseError,
     NoMemoryError,
     NotRegisteredError,
     Op,
@@ -61,7 +62,7 @@ __version__ = "0.2.0"
 __all__ = [
     "AbortResult", "AbortedError", "Batch", "BatchFullError", "Buffer", "BusyError", "CanceledError",
     "ConnectionBrokenError", "Engine", "EngineClosedError", "Event", "EventType", "ForkError", "HandleError",
-    "InternalError", "InvalidArgumentError", "KvferryError", "LibraryNotFound", "NoMemoryError",
+    "InternalError", "InvalidArgumentError", "KvferryError", "LibraryNotFound", "MemoryInUseError", "NoMemoryError",
     "NotRegisteredError", "Op", "OverlapError", "ProtocolError", "RefusedError", "RemoteRangeError", "Request",
     "Segment", "StaleKeyError", "Stats", "TaskState", "TaskStatus", "TimedOutError", "TransferFailedError",
     "TruncatedError", "UnknownStatusError", "UnreachableError", "UnsupportedError", "__version__",

@@ -46,7 +46,7 @@ __all__ = [
     "ConnectionBrokenError", "Engine", "EngineClosedError", "Event", "EventType", "ForkError", "HandleError",
     "InternalError", "InvalidArgumentError", "KvferryError", "NoMemoryError", "NotRegisteredError", "Op",
     "OverlapError", "ProtocolError", "RefusedError", "RemoteRangeError", "Request", "Segment", "StaleKeyError",
-    "Stats", "TaskState", "TaskStatus", "TimedOutError", "TransferFailedError", "TruncatedError",
+    "Stats", "TaskState", "TaskStatus", "TimedOutError", "TransferFailedError", "TruncatedError", "MemoryInUseError",
     "UnreachableError", "UnsupportedError", "UnknownStatusError", "error_for", "library_version",
 ]
 
@@ -207,6 +207,12 @@ class TruncatedError(_Picklable, KvferryError):
     """KVF_ERR_TRUNCATED: an output buffer was too small."""
 
 
+class MemoryInUseError(_Picklable, KvferryError):
+    """KVF_ERR_IN_USE: the engine could not confirm in time that it stopped
+    touching a transfer's memory (a NIC neither completed nor flushed its
+    work). Do not reuse that memory; its tasks stay in flight."""
+
+
 class ForkError(RuntimeError):
     """kvferry was called in a child forked after the library was loaded.
 
@@ -236,6 +242,7 @@ _ERRORS = {
     _lib.ERR_ABORTED: AbortedError,
     _lib.ERR_PROTOCOL: ProtocolError,
     _lib.ERR_TRUNCATED: TruncatedError,
+    _lib.ERR_IN_USE: MemoryInUseError,
 }
 
 
@@ -1464,7 +1471,9 @@ class Batch:
 
     def cancel(self) -> None:
         """Ends every task still in flight as CANCELED; returns once the
-        engine no longer touches their memory."""
+        engine no longer touches their memory. :class:`MemoryInUseError`
+        when that could not be confirmed within about 6 s (a NIC that
+        neither completes nor flushes its work)."""
         lib = _L()
         _check(lib, lib.kvf_batch_cancel(self._handle()))
 

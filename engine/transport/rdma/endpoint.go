@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"time"
 
@@ -46,8 +47,9 @@ type pair struct {
 type wslice struct {
 	s         *transport.Slice
 	remaining int
-	final     error // a final error: refusal or local failure
-	repost    bool  // a path failed under it: post it again elsewhere
+	final     error  // a final error: refusal or local failure
+	repost    bool   // a path failed under it: post it again elsewhere
+	epoch     uint64 // the key epoch its work requests were planned under
 	reposts   int
 	firstFail time.Time // when a path first failed under it
 }
@@ -70,8 +72,10 @@ type Endpoint struct {
 	cond     *sync.Cond
 	pairs    []*pair
 	queue    []*wslice
-	keys     map[memory.Key]*keysReply
+	keys     map[keyUse]*keysReply // rkeys the owner admitted, per access; valid for keyEpoch only
+	keyEpoch uint64                // bumped, and keys cleared, whenever a pair breaks or connects
 	reqs     map[uint64]*reqTrack
+	canceled map[*transport.Slice]int // slices a Cancel is stopping (count of Cancels)
 	dead     bool
 	deadErr  error
 	finished chan struct{} // closed when the first Abort returns
@@ -102,8 +106,9 @@ func (t *Transport) Dial(ctx context.Context, peer, self string) (transport.Endp
 		return nil, fmt.Errorf("rdma: info from %s: %w: %w", peer, transport.ErrProtocol, err)
 	}
 	e := &Endpoint{
-		t: t, peer: peer, conn: rand.Uint64(), info: info, keys: map[memory.Key]*keysReply{},
+		t: t, peer: peer, conn: rand.Uint64(), info: info, keys: map[keyUse]*keysReply{},
 		reqs: map[uint64]*reqTrack{}, done: make(chan struct{}), finished: make(chan struct{}),
+		canceled: map[*transport.Slice]int{},
 	}
 	e.cond = sync.NewCond(&e.mu)
 	e.ctx, e.cancel = context.WithCancel(context.Background())
@@ -196,6 +201,7 @@ func (e *Endpoint) connect(ctx context.Context, ps []*pair) error {
 	for _, p := range ps {
 		p.healthy = true
 	}
+	e.newKeyEpochLocked()
 	e.cond.Broadcast()
 	return nil
 }
@@ -328,13 +334,24 @@ func (e *Endpoint) inflight() int {
 }
 
 // Drain implements transport.Drainer: it returns once no work request of
-// requestID is on the wire. It fails when one ended without the responder's
+// requestID is on the wire, and forgets the rkeys admitted for it. It fails when one ended without the responder's
 // answer (a flushed or timed-out request may still have landed, or land
 // later), so the ACK then says "cut", not "drained".
 func (e *Endpoint) Drain(ctx context.Context, requestID uint64) error {
 	if err := e.waitIdle(ctx, requestID, false); err != nil {
 		return fmt.Errorf("rdma: drain: %w", err)
 	}
+	// The drained ACK lets the owner skip its fence, so the rkeys it
+	// admitted for the request must not outlive the drain here: a later
+	// slice of the request (its tombstone forgotten) asks the owner again,
+	// which refuses it.
+	e.mu.Lock()
+	for u := range e.keys {
+		if u.rid == requestID {
+			delete(e.keys, u)
+		}
+	}
+	e.mu.Unlock()
 	if e.t.Uncertain(e.peer, requestID) {
 		return fmt.Errorf("rdma: request %d: a work request of it ended without the responder's answer", requestID)
 	}
@@ -444,10 +461,14 @@ func (e *Endpoint) postBatch(batch []*wslice) {
 // queued again or ended.
 func (e *Endpoint) planSlice(w *wslice) (*pair, []plan, error) {
 	s := w.s
-	kr, err := e.resolve(s)
+	kr, epoch, err := e.resolve(s)
+	if errors.Is(err, errNewEpoch) {
+		return nil, nil, nil // queued again, to ask under the new epoch
+	}
 	if err != nil {
 		return nil, nil, err
 	}
+	w.epoch = epoch
 	n := uint64(len(s.Local))
 	if n == 0 || s.Remote < kr.Addr || s.Remote-kr.Addr > kr.Len || n > kr.Len-(s.Remote-kr.Addr) {
 		return nil, nil, fmt.Errorf("%w: [%#x, +%d) is outside the owner's registration [%#x, +%d)", transport.ErrRefused, s.Remote, n, kr.Addr, kr.Len)
@@ -501,39 +522,80 @@ func findPiece(ps []piece, off uint64) int {
 	return lo
 }
 
-// resolve returns the owner's registration for the slice's key, asking
-// the owner once per key (it admits the access as it would on tcp).
-func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, error) {
+// keyUse is what the owner admits an rkey request for: one request's
+// access (id, generation, grant) to one registration.
+type keyUse struct {
+	key   memory.Key
+	rid   uint64
+	gen   uint32
+	grant uint64
+}
+
+// maxKeyUses bounds the rkeys cached per endpoint.
+const maxKeyUses = 1 << 14
+
+// newKeyEpochLocked forgets every rkey: a pair broke or connected, and
+// rkeys the owner admitted before it cut our QPs (an abort, a fence) must
+// never reach a QP connected after the cut. Work planned under the old
+// epoch is planned again (see postOn). Called with mu held.
+func (e *Endpoint) newKeyEpochLocked() {
+	e.keyEpoch++
+	clear(e.keys)
+}
+
+// errNewEpoch: a pair broke or connected while the owner was asked.
+var errNewEpoch = errors.New("rdma: key epoch changed while asking the owner")
+
+// resolve returns the owner's registration for the slice's access, asking
+// the owner once per request id, generation, grant and key in each key
+// epoch (it admits the access as it would on tcp, for the whole transfer's
+// range), and the epoch the answer holds for.
+func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, uint64, error) {
+	u := keyUse{key: s.Key, rid: s.RequestID, gen: s.Generation, grant: s.GrantID}
+	n := uint64(len(s.Local))
 	e.mu.Lock()
-	kr := e.keys[s.Key]
+	kr, epoch := e.keys[u], e.keyEpoch
 	e.mu.Unlock()
-	if kr != nil {
-		return kr, nil
+	if kr != nil && kr.admits(s.Remote, n) {
+		return kr, epoch, nil
 	}
-	req := &keysReq{Key: uint64(s.Key), Op: uint8(s.Op), RequestID: s.RequestID, Generation: s.Generation, GrantID: s.GrantID, Addr: s.Remote, Len: uint64(len(s.Local))}
+	ext := s.Extent
+	if !ext.Contains(s.Remote, n) {
+		ext = transport.Span{Addr: s.Remote, Len: n}
+	}
+	req := &keysReq{Key: uint64(s.Key), Op: uint8(s.Op), RequestID: s.RequestID, Generation: s.Generation, GrantID: s.GrantID, Addr: ext.Addr, Len: ext.Len}
 	rep, err := e.t.exchange(e.ctx, e.peer, req.encode())
 	if e.ctx.Err() != nil {
 		// Aborted while asking: the slice ends with the abort's error.
-		return nil, e.deathErr()
+		return nil, 0, e.deathErr()
 	}
 	if err != nil {
-		return nil, fmt.Errorf("rdma: keys of %#x at %s: %w", s.Key, e.peer, err)
+		return nil, 0, fmt.Errorf("rdma: keys of %#x at %s: %w", s.Key, e.peer, err)
 	}
 	kr, err = decodeKeysReply(rep, len(e.info.NICs))
 	if err != nil {
 		if errors.Is(err, transport.ErrRefused) {
-			return nil, fmt.Errorf("rdma: key %#x at %s: %w", s.Key, e.peer, err)
+			return nil, 0, fmt.Errorf("rdma: key %#x at %s: %w", s.Key, e.peer, err)
 		}
-		return nil, fmt.Errorf("rdma: keys of %#x at %s: %w: %w", s.Key, e.peer, transport.ErrProtocol, err)
+		return nil, 0, fmt.Errorf("rdma: keys of %#x at %s: %w: %w", s.Key, e.peer, transport.ErrProtocol, err)
+	}
+	if !kr.admits(s.Remote, n) {
+		return nil, 0, fmt.Errorf("rdma: keys of %#x at %s: %w: admitted [%#x, +%d), not the slice's [%#x, +%d)", s.Key, e.peer, transport.ErrProtocol, kr.Admitted.Addr, kr.Admitted.Len, s.Remote, n)
 	}
 	e.mu.Lock()
-	if len(e.keys) >= 1<<16 {
+	defer e.mu.Unlock()
+	if e.keyEpoch != epoch {
+		return nil, 0, errNewEpoch
+	}
+	if len(e.keys) >= maxKeyUses {
 		clear(e.keys) // keys are cheap to ask again; memory is not
 	}
-	e.keys[s.Key] = kr
-	e.mu.Unlock()
-	return kr, nil
+	e.keys[u] = kr
+	return kr, epoch, nil
 }
+
+// admits reports whether the owner admitted [addr, addr+n).
+func (kr *keysReply) admits(addr, n uint64) bool { return kr.Admitted.Contains(addr, n) }
 
 // ranks returns, per local NIC and per owner NIC, its tier for memory at
 // localLoc and at remoteLoc (equally good NICs share a tier); computed
@@ -618,7 +680,14 @@ func (e *Endpoint) postOn(p *pair, plans []plan) {
 		for !e.dead && p.healthy && e.room(p) <= 0 {
 			e.waitCond(10 * time.Millisecond)
 		}
-		if e.dead || !p.healthy {
+		if len(e.canceled) > 0 {
+			plans = e.dropCanceledLocked(plans)
+			if len(plans) == 0 {
+				e.mu.Unlock()
+				return
+			}
+		}
+		if e.dead || !p.healthy || stalePlans(plans, e.keyEpoch) {
 			e.unpostLocked(plans)
 			e.mu.Unlock()
 			e.requeue(plans)
@@ -663,6 +732,138 @@ func (e *Endpoint) postOn(p *pair, plans []plan) {
 			return
 		}
 	}
+}
+
+// dropCanceledLocked ends the slices of plans that a Cancel is stopping
+// and returns the other plans; none of the dropped ones was posted. Called
+// with mu held; it lets go of mu while ending them.
+func (e *Endpoint) dropCanceledLocked(plans []plan) []plan {
+	keep := plans[:0:0]
+	var drop []plan
+	for _, pl := range plans {
+		if e.canceled[pl.ws.s] > 0 {
+			drop = append(drop, pl)
+		} else {
+			keep = append(keep, pl)
+		}
+	}
+	if len(drop) == 0 {
+		return plans
+	}
+	e.unpostLocked(drop)
+	var ended []*wslice
+	for _, pl := range drop {
+		if w := pl.ws; w.remaining == 0 && !slices.Contains(ended, w) {
+			ended = append(ended, w)
+		}
+	}
+	e.mu.Unlock()
+	for _, w := range ended {
+		e.finish(w, fmt.Errorf("rdma: %w", transport.ErrCanceled))
+	}
+	e.mu.Lock()
+	return keep
+}
+
+// cancelGrace is how long Cancel waits for a canceled slice's work
+// requests to complete before it flushes the NIC paths holding them.
+const cancelGrace = 50 * time.Millisecond
+
+// Cancel implements transport.SliceCanceler: slices not yet posted are
+// dropped, posted ones are waited for, and after cancelGrace the pairs
+// still holding their work requests are broken (their QPs go to the error
+// state, which flushes them; the other work on those pairs moves to other
+// pairs, as after any failure). It returns once every slice ended, or
+// with ErrInUse at ctx's deadline.
+func (e *Endpoint) Cancel(ctx context.Context, ss []*transport.Slice) error {
+	e.mu.Lock()
+	for _, s := range ss {
+		e.canceled[s]++
+	}
+	e.mu.Unlock()
+	defer func() {
+		e.mu.Lock()
+		for _, s := range ss {
+			if e.canceled[s]--; e.canceled[s] <= 0 {
+				delete(e.canceled, s)
+			}
+		}
+		e.mu.Unlock()
+	}()
+	defer e.wakeOn(ctx)()
+	grace := time.Now().Add(cancelGrace)
+	flushed := false
+	for {
+		var left []*transport.Slice
+		for _, s := range ss {
+			if st := s.State(); st != transport.StateDone && st != transport.StateCanceled {
+				left = append(left, s)
+			}
+		}
+		if len(left) == 0 {
+			return nil
+		}
+		if e.Dead() {
+			<-e.finished // Abort returns once the flush is seen or timed out
+			flushed = true
+		} else if !flushed && !time.Now().Before(grace) {
+			e.breakPairsOf(left)
+			flushed = true
+		}
+		if ctx.Err() != nil || (e.Dead() && flushed) {
+			if e.Dead() {
+				if still := countLive(left); still == 0 {
+					return nil
+				}
+			}
+			return fmt.Errorf("rdma path to %s: %w: %d canceled slices' work requests neither completed nor flushed", e.peer, transport.ErrInUse, countLive(left))
+		}
+		e.mu.Lock()
+		e.waitCond(min(time.Until(grace)+time.Millisecond, 10*time.Millisecond))
+		e.mu.Unlock()
+	}
+}
+
+func countLive(ss []*transport.Slice) int {
+	n := 0
+	for _, s := range ss {
+		if st := s.State(); st != transport.StateDone && st != transport.StateCanceled {
+			n++
+		}
+	}
+	return n
+}
+
+// breakPairsOf breaks the pairs holding work requests of slices.
+func (e *Endpoint) breakPairsOf(ss []*transport.Slice) {
+	want := make(map[*transport.Slice]bool, len(ss))
+	for _, s := range ss {
+		want[s] = true
+	}
+	pairs := map[*pair]bool{}
+	e.t.wrMu.Lock()
+	for _, c := range e.t.wrs {
+		if c.ep == e && c.ws != nil && want[c.ws.s] {
+			pairs[c.pair] = true
+		}
+	}
+	e.t.wrMu.Unlock()
+	e.mu.Lock()
+	for p := range pairs {
+		e.breakPair(p, fmt.Errorf("%w: canceled work requests did not complete within %v", transport.ErrCanceled, cancelGrace))
+	}
+	e.mu.Unlock()
+}
+
+// stalePlans reports whether any plan was made under another key epoch:
+// its rkeys may predate an owner's cut of our QPs.
+func stalePlans(plans []plan, epoch uint64) bool {
+	for _, pl := range plans {
+		if pl.ws.epoch != epoch {
+			return true
+		}
+	}
+	return false
 }
 
 // room is how many more work requests p may post: its send queue's room,
@@ -790,6 +991,9 @@ func (e *Endpoint) breakPair(p *pair, cause error) {
 	if !p.healthy && p.resetting {
 		return
 	}
+	if p.healthy {
+		e.newKeyEpochLocked()
+	}
 	p.healthy = false
 	if e.dead || p.resetting {
 		return
@@ -898,9 +1102,8 @@ func (e *Endpoint) completed(c *wrCtx, status uint32, text string) {
 		switch status {
 		case verbs.WCRemAccessErr, verbs.WCRemInvReqErr, verbs.WCRemOpErr:
 			// The owner's NIC refused: the key is gone or the range
-			// wrong. Final; the cached key is dropped so the next
-			// slice asks the owner again.
-			delete(e.keys, w.s.Key)
+			// wrong. Final; the cached keys are dropped (breakPair
+			// below) so the next slice asks the owner again.
 			if w.final == nil {
 				w.final = fmt.Errorf("%w: %w", transport.ErrRefused, err)
 			}
@@ -932,6 +1135,8 @@ func (e *Endpoint) completed(c *wrCtx, status uint32, text string) {
 		switch {
 		case w.final != nil:
 			end, ferr = true, w.final
+		case w.repost && e.canceled[w.s] > 0:
+			end, ferr = true, fmt.Errorf("rdma: %w", transport.ErrCanceled)
 		case w.repost && (e.dead || w.reposts >= maxReposts || time.Since(w.firstFail) > repostWindow):
 			end, ferr = true, fmt.Errorf("rdma path to %s: %w: failed on %d NIC paths", e.peer, transport.ErrConnection, w.reposts+1)
 		case w.repost:

@@ -22,6 +22,10 @@ func TestMain(m *testing.M) {
 	_ = os.Setenv("FAKEVERBS_MAX_MR_SIZE", "4194304")
 	code := m.Run()
 	cleanup()
+	if n := transport.IllegalTransitions(); n > 0 && code == 0 {
+		fmt.Fprintf(os.Stderr, "FAIL: %d slice state moves the state table refuses\n", n)
+		code = 1
+	}
 	os.Exit(code)
 }
 

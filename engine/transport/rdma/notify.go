@@ -171,10 +171,15 @@ func (t *Transport) received(c *recvCtx, wc *verbs.WC) {
 	}
 }
 
+// notifyFlushGrace bounds how long Notify waits, past its deadline, for
+// the flush of a SEND it gave up on.
+const notifyFlushGrace = 20 * time.Millisecond
+
 // Notify sends a notification of requestID to the owner, in-band, after
 // every work request of that request on this path completed. It returns
-// once the owner's NIC took it (or ctx ends: the pair is then reset, so the
-// SEND cannot arrive later).
+// once the owner's NIC took it, or at ctx's end plus notifyFlushGrace at
+// most: the pair is then cut, so the SEND cannot arrive later once its
+// flush was seen (the error says when it was not).
 func (e *Endpoint) Notify(ctx context.Context, requestID uint64, data []byte) error {
 	if len(data) > MaxNotifyData {
 		return fmt.Errorf("rdma notify: %d bytes of data (at most %d)", len(data), MaxNotifyData)
@@ -241,17 +246,22 @@ func (e *Endpoint) Notify(ctx context.Context, requestID uint64, data []byte) er
 		}
 		return nil
 	case <-ctx.Done():
-		// The SEND may still go out: cut the pair so it cannot arrive
-		// after the caller was told it failed.
+		// The SEND may still go out: cut the pair, so that once its
+		// flush is seen it cannot arrive after the caller was told it
+		// failed. The flush is waited for briefly only: the deadline
+		// holds, and past the grace the error says it may still arrive.
 		e.mu.Lock()
 		e.breakPair(p, ctx.Err())
+		if p.qp != nil {
+			_ = p.qp.ToError()
+		}
 		e.mu.Unlock()
 		select {
 		case <-done:
-		case <-time.After(abortFlushTimeout):
-			e.t.log.Error("kvferry: rdma notification SEND not flushed after its pair was cut", "peer", e.peer)
+			return fmt.Errorf("rdma notify: %w", ctx.Err())
+		case <-time.After(notifyFlushGrace):
+			return fmt.Errorf("rdma notify: %w (its SEND was not flushed within %v of the cut: the peer may still get it)", ctx.Err(), notifyFlushGrace)
 		}
-		return fmt.Errorf("rdma notify: %w", ctx.Err())
 	}
 }
 

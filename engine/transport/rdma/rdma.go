@@ -129,11 +129,15 @@ type Transport struct {
 	connMu sync.Mutex
 	conns  map[string]map[uint64]*respConn // initiator -> conn id -> responder QPs
 
+	holds *holders // which initiators hold rkeys for which request ids
+
 	// Requests (peer, id) with a work request that ended without the
 	// responder's answer, on any endpoint, dead ones included: their
 	// bytes may still land, so no drain of them is ever promised.
 	uncMu     sync.Mutex
 	uncertain map[uncertainKey]time.Time
+	uncQueue  []uncertainMark // marks in time order, for expiry
+	uncAll    time.Time       // past its cap, every request counts as uncertain until then
 
 	// Dial, Serve and disconnects in progress, and live endpoints: Close
 	// waits for the first and aborts the second before freeing NICs.
@@ -152,6 +156,7 @@ type Transport struct {
 type counters struct {
 	Posted, Completed, ErrorCompletions, Failovers, Fences, Reconnects atomic.Uint64
 	Notifies, BadNotifies, DmabufMRs, PeermemMRs, Stalls               atomic.Uint64
+	KeyRequests, HolderEvictions                                       atomic.Uint64
 }
 
 // Stats is a snapshot of the transport's counters.
@@ -167,6 +172,9 @@ type Stats struct {
 	DmabufMRs        uint64            // GPU memory registrations through dma-buf
 	PeermemMRs       uint64            // GPU memory registrations without (nvidia-peermem)
 	Stalls           uint64            // NIC paths broken because no work request completed within CompletionTimeout
+	KeyRequests      uint64            // rkey requests answered as owner (one per new request id, key and path epoch)
+	Holders          int               // (initiator, request id) pairs holding rkeys from us
+	HolderEvictions  uint64            // initiators cut because they held rkeys for too many requests
 	PostedByNIC      map[string]uint64 // work requests posted per NIC ("name:port")
 }
 
@@ -178,6 +186,7 @@ func (t *Transport) Stats() Stats {
 		Notifies: t.stats.Notifies.Load(), BadNotifies: t.stats.BadNotifies.Load(),
 		DmabufMRs: t.stats.DmabufMRs.Load(), PeermemMRs: t.stats.PeermemMRs.Load(),
 		Stalls: t.stats.Stalls.Load(), PostedByNIC: t.postedByNIC(),
+		KeyRequests: t.stats.KeyRequests.Load(), Holders: t.holds.count(), HolderEvictions: t.stats.HolderEvictions.Load(),
 	}
 }
 
@@ -238,7 +247,7 @@ func New(opts Options) (*Transport, error) {
 	t := &Transport{
 		opts: opts, log: opts.Logger, lib: lib, mrs: map[memory.Key]*regMRs{},
 		wrs: map[uint64]*wrCtx{}, conns: map[string]map[uint64]*respConn{}, closed: make(chan struct{}),
-		uncertain: map[uncertainKey]time.Time{}, eps: map[*Endpoint]struct{}{},
+		uncertain: map[uncertainKey]time.Time{}, eps: map[*Endpoint]struct{}{}, holds: newHolders(),
 	}
 	devs, err := lib.Devices()
 	if err != nil {
@@ -632,18 +641,45 @@ func (t *Transport) serveConnect(from string, req *connectReq) ([]byte, error) {
 			return nil, fmt.Errorf("%w: pair names NIC %d of %d", errWire, p.Remote, len(t.nics))
 		}
 	}
+	if t.opts.AdmitInitiator != nil {
+		if err := t.opts.AdmitInitiator(from); err != nil {
+			return nil, err // early, to spare the QPs; checked again below
+		}
+	}
+	// The QPs are made without connMu, so a Fence never waits for verbs
+	// calls; nothing reaches them before the initiator has the reply.
+	reply := &connectReply{}
+	var made []*verbs.QP
+	drop := func() {
+		for _, q := range made {
+			_ = q.ToError()
+			_ = q.Destroy()
+		}
+	}
+	for _, p := range req.Pairs {
+		n := t.nics[p.Remote]
+		qp, err := t.connectQP(n, verbs.Remote{QPN: p.QP.QPN, PSN: p.QP.PSN, LID: p.LID, GID: p.GID, Global: p.Ethernet || n.Port.Ethernet(), MTU: verbs.MTU(p.MTU)})
+		if err != nil {
+			drop()
+			return nil, err
+		}
+		made = append(made, qp.qp)
+		reply.QPs = append(reply.QPs, qpInfo{QPN: qp.qp.Num, PSN: qp.psn})
+	}
 	// The gate and the QPs' entry into conns happen under connMu, which
 	// Fence holds too: a connection is either fenced or refused.
 	t.connMu.Lock()
 	defer t.connMu.Unlock()
 	if t.opts.AdmitInitiator != nil {
 		if err := t.opts.AdmitInitiator(from); err != nil {
+			drop()
 			return nil, err
 		}
 	}
 	byConn := t.conns[from]
 	if byConn == nil {
 		if len(t.conns) >= 4096 {
+			drop()
 			return nil, fmt.Errorf("rdma: too many initiators connected")
 		}
 		byConn = map[uint64]*respConn{}
@@ -652,25 +688,11 @@ func (t *Transport) serveConnect(from string, req *connectReq) ([]byte, error) {
 	rc := byConn[req.Conn]
 	if rc == nil {
 		if len(byConn) >= 1024 {
+			drop()
 			return nil, fmt.Errorf("rdma: too many connections from %s", from)
 		}
 		rc = &respConn{qps: map[uint8]*verbs.QP{}}
 		byConn[req.Conn] = rc
-	}
-	reply := &connectReply{}
-	var made []*verbs.QP
-	for _, p := range req.Pairs {
-		n := t.nics[p.Remote]
-		qp, err := t.connectQP(n, verbs.Remote{QPN: p.QP.QPN, PSN: p.QP.PSN, LID: p.LID, GID: p.GID, Global: p.Ethernet || n.Port.Ethernet(), MTU: verbs.MTU(p.MTU)})
-		if err != nil {
-			for _, q := range made {
-				_ = q.ToError()
-				_ = q.Destroy()
-			}
-			return nil, err
-		}
-		made = append(made, qp.qp)
-		reply.QPs = append(reply.QPs, qpInfo{QPN: qp.qp.Num, PSN: qp.psn})
 	}
 	for i, p := range req.Pairs {
 		if old := rc.qps[p.Slot]; old != nil {
@@ -722,6 +744,27 @@ func (t *Transport) toRTR(qp *verbs.QP, n *NIC, r verbs.Remote) error {
 }
 
 func (t *Transport) serveKeys(from string, req *keysReq) ([]byte, error) {
+	refused := true // until the reply is built
+	t.stats.KeyRequests.Add(1)
+	if req.RequestID != 0 {
+		// Recorded before the admission: an Abort bumps the generation
+		// first and reads the holders after, so either this admission
+		// sees the new generation or the Abort sees this holder.
+		added, evict := t.holds.add(from, req.RequestID)
+		if evict != "" {
+			// Cut before the reply goes out: rkeys of this reply then
+			// reach only QPs already cut, and the initiator asks again.
+			t.forgetByFence(evict)
+			added = added && evict != from
+		}
+		if added {
+			defer func() {
+				if refused {
+					t.holds.remove(from, req.RequestID)
+				}
+			}()
+		}
+	}
 	t.mrMu.RLock()
 	rm := t.mrs[memory.Key(req.Key)]
 	t.mrMu.RUnlock()
@@ -731,10 +774,10 @@ func (t *Transport) serveKeys(from string, req *keysReq) ([]byte, error) {
 		// is dropped.
 		tgt, err := t.owner.Admit(transport.Access{
 			Op: transport.Op(req.Op), Initiator: from, RequestID: req.RequestID, Generation: req.Generation,
-			GrantID: req.GrantID, Key: memory.Key(req.Key), Addr: req.Addr, Length: req.Len,
+			GrantID: req.GrantID, Key: memory.Key(req.Key), Addr: req.Addr, Length: req.Len, Direct: true,
 		})
 		if err == nil && tgt.Stage != nil {
-			tgt.Stage.Release() // the NIC reaches GPU memory itself
+			tgt.Stage.Release()
 		}
 		if err != nil {
 			if errors.Is(err, transport.ErrAborted) {
@@ -747,6 +790,15 @@ func (t *Transport) serveKeys(from string, req *keysReq) ([]byte, error) {
 		return encodeKeysRefusal(keysRefused, fmt.Sprintf("key %#x is not registered with rdma", req.Key)), nil
 	}
 	m := &keysReply{Addr: rm.region.Addr, Len: rm.region.Len, Location: trunc(rm.region.Location)}
+	// Request id 0 is admitted for the whole registration (only a fence
+	// by range or unregistration stops it); a request for what it asked.
+	m.Admitted = transport.Span{Addr: rm.region.Addr, Len: rm.region.Len}
+	if req.RequestID != 0 {
+		if !rm.region.Contains(req.Addr, req.Len) {
+			return encodeKeysRefusal(keysRefused, fmt.Sprintf("[%#x, +%d) is outside key %#x", req.Addr, req.Len, req.Key)), nil
+		}
+		m.Admitted = transport.Span{Addr: req.Addr, Len: req.Len}
+	}
 	for _, p := range rm.pieces {
 		pc := piece{Off: p.off, Len: p.len}
 		for _, mr := range p.mrs {
@@ -757,6 +809,7 @@ func (t *Transport) serveKeys(from string, req *keysReq) ([]byte, error) {
 	if len(m.Pieces) > maxPieces {
 		return nil, fmt.Errorf("rdma: key %#x has %d pieces (at most %d)", req.Key, len(m.Pieces), maxPieces)
 	}
+	refused = false
 	return m.encode(), nil
 }
 
@@ -766,6 +819,9 @@ func (t *Transport) dropConn(from string, conn uint64) {
 	delete(t.conns[from], conn)
 	if len(t.conns[from]) == 0 {
 		delete(t.conns, from)
+		// No QP of it is left: the rkeys it holds reach nothing until it
+		// connects again, and its engine asks again after that.
+		t.holds.forget(from)
 	}
 	if rc != nil {
 		// In the error state before connMu is let go: a Fence racing
@@ -791,9 +847,16 @@ func (t *Transport) Fence(ctx context.Context, initiator string) error {
 	if !t.opts.Fence {
 		return fmt.Errorf("rdma: %w: the owner-side fence is off", transport.ErrProtocol)
 	}
+	return t.cut(ctx, initiator)
+}
+
+// cut moves every responder QP of initiator to the error state and
+// destroys them; the rkeys it holds are void from then on (see holders).
+func (t *Transport) cut(ctx context.Context, initiator string) error {
 	t.connMu.Lock()
 	conns := t.conns[initiator]
 	delete(t.conns, initiator)
+	t.holds.forget(initiator)
 	var errs []error
 	var qps []*verbs.QP
 	for _, rc := range conns {
@@ -883,20 +946,44 @@ const (
 	maxUncertain = 1 << 16
 )
 
+type uncertainMark struct {
+	k  uncertainKey
+	at time.Time
+}
+
+// markUncertain records that a work request of (peer, rid) ended without
+// the responder's answer. A fresh mark is never forgotten: past the cap,
+// expired marks go first, and when none has expired every request of every
+// peer counts as uncertain until the newest mark would have expired (a
+// drain then says "cut", never "drained" for a request it forgot).
 func (t *Transport) markUncertain(peer string, rid uint64) {
 	now := time.Now()
+	k := uncertainKey{peer, rid}
 	t.uncMu.Lock()
 	defer t.uncMu.Unlock()
-	t.uncertain[uncertainKey{peer, rid}] = now
-	if len(t.uncertain) > maxUncertain {
-		for k, at := range t.uncertain {
-			if now.Sub(at) > uncertainTTL || len(t.uncertain) > maxUncertain {
-				delete(t.uncertain, k)
-			}
-			if len(t.uncertain) <= maxUncertain*7/8 {
-				break
-			}
+	t.expireUncertainLocked(now)
+	if _, ok := t.uncertain[k]; !ok && len(t.uncertain) >= maxUncertain {
+		t.uncAll = now.Add(uncertainTTL)
+		return
+	}
+	if _, ok := t.uncertain[k]; !ok {
+		t.uncQueue = append(t.uncQueue, uncertainMark{k, now})
+	}
+	t.uncertain[k] = now // a mark again moves its expiry (see expireUncertainLocked)
+}
+
+// expireUncertainLocked forgets marks older than uncertainTTL.
+func (t *Transport) expireUncertainLocked(now time.Time) {
+	// One queue entry per mark in the map, in the order first marked; a
+	// mark renewed since goes to the back with its new time.
+	for len(t.uncQueue) > 0 && now.Sub(t.uncQueue[0].at) > uncertainTTL {
+		m := t.uncQueue[0]
+		t.uncQueue = t.uncQueue[1:]
+		if at := t.uncertain[m.k]; at.After(m.at) {
+			t.uncQueue = append(t.uncQueue, uncertainMark{m.k, at})
+			continue
 		}
+		delete(t.uncertain, m.k)
 	}
 }
 
@@ -904,10 +991,14 @@ func (t *Transport) markUncertain(peer string, rid uint64) {
 // the responder's answer in the last uncertainTTL: the initiator can then
 // not promise that the request is drained.
 func (t *Transport) Uncertain(peer string, rid uint64) bool {
+	now := time.Now()
 	t.uncMu.Lock()
 	defer t.uncMu.Unlock()
+	if now.Before(t.uncAll) {
+		return true
+	}
 	at, ok := t.uncertain[uncertainKey{peer, rid}]
-	return ok && time.Since(at) <= uncertainTTL
+	return ok && now.Sub(at) <= uncertainTTL
 }
 
 // enter counts an operation in unless the transport is closing.

@@ -14,7 +14,7 @@ import (
 // every count is checked against the bytes present before anything is
 // allocated.
 const (
-	wireVersion = 2
+	wireVersion = 3
 
 	kindInfo       = 1 // -> infoReply: the owner's NICs and preference matrix
 	kindConnect    = 2 // -> connectReply: responder QPs for the initiator's QPs
@@ -83,7 +83,7 @@ type connectReply struct {
 }
 
 // keysReq names one registration of the owner and the access about to use
-// it, which the owner admits like any other.
+// it (the whole transfer's range), which the owner admits like any other.
 type keysReq struct {
 	Key        uint64
 	Op         uint8
@@ -106,6 +106,9 @@ type keysReply struct {
 	Addr     uint64
 	Len      uint64
 	Location string
+	// Admitted is the range the owner admitted the access for: the
+	// initiator uses these rkeys for this request inside it only.
+	Admitted transport.Span
 	Pieces   []piece
 }
 
@@ -316,6 +319,8 @@ func (m *keysReply) encode() []byte {
 	b = binary.LittleEndian.AppendUint64(b, m.Addr)
 	b = binary.LittleEndian.AppendUint64(b, m.Len)
 	b = putStr(b, m.Location)
+	b = binary.LittleEndian.AppendUint64(b, m.Admitted.Addr)
+	b = binary.LittleEndian.AppendUint64(b, m.Admitted.Len)
 	nics := 0
 	if len(m.Pieces) > 0 {
 		nics = len(m.Pieces[0].RKeys)
@@ -354,6 +359,7 @@ func decodeKeysReply(body []byte, wantNICs int) (*keysReply, error) {
 		return nil, fmt.Errorf("%w: keys status %d", errWire, st)
 	}
 	m := &keysReply{Addr: r.U64(), Len: r.U64(), Location: r.Str(maxName)}
+	m.Admitted = transport.Span{Addr: r.U64(), Len: r.U64()}
 	n := int(r.U16())
 	nics := int(r.U8())
 	if r.Err != nil {
@@ -361,6 +367,9 @@ func decodeKeysReply(body []byte, wantNICs int) (*keysReply, error) {
 	}
 	if n == 0 || n > maxPieces || nics != wantNICs || m.Addr+m.Len < m.Addr || m.Len == 0 {
 		return nil, fmt.Errorf("%w: %d pieces on %d NICs (want %d) for [%#x, +%d)", errWire, n, nics, wantNICs, m.Addr, m.Len)
+	}
+	if a := m.Admitted; a.Len == 0 || a.Addr < m.Addr || a.Addr-m.Addr > m.Len || a.Len > m.Len-(a.Addr-m.Addr) {
+		return nil, fmt.Errorf("%w: admitted [%#x, +%d) is not inside the registration [%#x, +%d)", errWire, a.Addr, a.Len, m.Addr, m.Len)
 	}
 	if len(r.B) < n*(16+4*nics) {
 		return nil, fmt.Errorf("%w: truncated pieces", errWire)

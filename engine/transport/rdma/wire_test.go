@@ -44,10 +44,19 @@ func TestWireRoundTrips(t *testing.T) {
 	if _, err := decodeConnectReply(rep.encode(), 2); !errors.Is(err, errWire) {
 		t.Fatalf("a reply for the wrong number of pairs: %v", err)
 	}
-	kr := &keysReply{Addr: 0x1000, Len: 300, Location: "cpu:0", Pieces: []piece{{Off: 0, Len: 200, RKeys: []uint32{1, 2}}, {Off: 200, Len: 100, RKeys: []uint32{3, 4}}}}
+	kr := &keysReply{Addr: 0x1000, Len: 300, Location: "cpu:0", Admitted: transport.Span{Addr: 0x1010, Len: 100}, Pieces: []piece{{Off: 0, Len: 200, RKeys: []uint32{1, 2}}, {Off: 200, Len: 100, RKeys: []uint32{3, 4}}}}
 	gk, err := decodeKeysReply(kr.encode(), 2)
-	if err != nil || gk.Len != 300 || gk.Pieces[1].RKeys[1] != 4 {
+	if err != nil || gk.Len != 300 || gk.Pieces[1].RKeys[1] != 4 || gk.Admitted != kr.Admitted {
 		t.Fatalf("keys: %+v, %v", gk, err)
+	}
+	// An admitted range outside the registration is refused: the
+	// initiator would take it for the owner's leave to write there.
+	for _, a := range []transport.Span{{}, {Addr: 0xf00, Len: 300}, {Addr: 0x1000, Len: 301}, {Addr: 0x112c, Len: 1}} {
+		out := *kr
+		out.Admitted = a
+		if _, err := decodeKeysReply(out.encode(), 2); !errors.Is(err, errWire) {
+			t.Fatalf("admitted %+v outside [0x1000, +300): %v", a, err)
+		}
 	}
 	if _, err := decodeKeysReply(encodeKeysRefusal(keysAborted, "gone"), 2); !errors.Is(err, transport.ErrAborted) || !errors.Is(err, transport.ErrRefused) {
 		t.Fatalf("aborted refusal: %v", err)
@@ -71,7 +80,7 @@ func FuzzDecode(f *testing.F) {
 	f.Add((&connectReq{Conn: 1, Pairs: []pairReq{{QP: qpInfo{QPN: 1}, MTU: 3}}}).encode())
 	f.Add((&connectReply{QPs: []qpInfo{{QPN: 1}}}).encode())
 	f.Add((&keysReq{Key: 1}).encode())
-	f.Add((&keysReply{Addr: 1, Len: 1, Pieces: []piece{{Len: 1, RKeys: []uint32{1}}}}).encode())
+	f.Add((&keysReply{Addr: 1, Len: 1, Admitted: transport.Span{Addr: 1, Len: 1}, Pieces: []piece{{Len: 1, RKeys: []uint32{1}}}}).encode())
 	f.Add(encodeKeysRefusal(keysRefused, "no"))
 	f.Add([]byte{})
 	f.Fuzz(func(t *testing.T, b []byte) {

@@ -46,6 +46,12 @@ const (
 
 // Run runs the suite against the endpoints f builds.
 func Run(t *testing.T, f Factory) {
+	before := transport.IllegalTransitions()
+	t.Cleanup(func() {
+		if n := transport.IllegalTransitions() - before; n > 0 {
+			t.Errorf("%d slice state moves the state table refuses", n)
+		}
+	})
 	t.Run("transfers", func(t *testing.T) { runTransfers(t, f) })
 	t.Run("refusals", func(t *testing.T) { runRefusals(t, f) })
 	t.Run("unregistering owner memory during a large WRITE stops it before Unregister returns", func(t *testing.T) {
