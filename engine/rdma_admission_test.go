@@ -1,0 +1,84 @@
+package engine_test
+
+// The owner admits every rdma request id before its first byte: an
+// initiator asks for rkeys once per request id (and generation, grant and
+// buffer key) on a path, and the owner can refuse or, later, fence it.
+
+import (
+	"bytes"
+	"testing"
+	"time"
+
+	"github.com/kvferry/kvferry/engine"
+)
+
+// The owner is asked once per new request id on a path, not once per
+// transfer: what a new request id costs is one control-plane round trip,
+// and a request id's later transfers ask nothing. Request id 0 is admitted
+// for the whole registration at once.
+func TestRDMAOwnerIsAskedOncePerRequestIDOnAPath(t *testing.T) {
+	opts := engine.Options{PathsPerPeer: 1}
+	owner := newEngineWith(t, rdmaOpts(t, opts))
+	init := newEngineWith(t, rdmaOpts(t, opts))
+	const n = 64 << 10
+	dst, src := alloc(t, owner, 16*n), alloc(t, init, n)
+	seg := openSegment(t, init, owner.Name())
+	asked := func(what string, want uint64, reqs func(i int) engine.Request) {
+		t.Helper()
+		before := owner.Stats().RDMAKeyRequests
+		for i := 0; i < 5; i++ {
+			transfer(t, init, 30*time.Second, reqs(i))
+		}
+		if got := owner.Stats().RDMAKeyRequests - before; got != want {
+			t.Errorf("%s: the owner was asked for rkeys %d times, want %d", what, got, want)
+		}
+	}
+	at := func(i int) uint64 { return engine.AddrOf(dst) + uint64(i)*n }
+	asked("5 transfers of one request id", 1, func(int) engine.Request {
+		return withRID(write(src, seg, at(0), n), 11, 0)
+	})
+	asked("5 transfers of 5 new request ids", 5, func(i int) engine.Request {
+		return withRID(write(src, seg, at(i), n), uint64(100+i), 0)
+	})
+	asked("5 transfers without a request id", 1, func(i int) engine.Request {
+		return write(src, seg, at(i), n)
+	})
+	if h := owner.Stats().RDMAHolders; h != 6 {
+		t.Errorf("the owner records %d (initiator, request id) holders, want 6", h)
+	}
+}
+
+// Revoke stops an initiator that already holds the request's rkeys: the
+// grant's initiator is fenced, asks again and is refused, and no byte of
+// the request lands after Revoke returned.
+func TestRDMARevokeStopsAnInitiatorHoldingRKeys(t *testing.T) {
+	opts := rdmaOpts(t, engine.Options{})
+	owner := newEngineWith(t, opts)
+	init := newEngineWith(t, opts)
+	const size, rid = 8 << 20, 4242
+	dst, src := alloc(t, owner, size), alloc(t, init, size)
+	fillByte(src, oldByte)
+	g, err := owner.Grant(init.Name(), rid, []engine.GrantRange{{Addr: engine.AddrOf(dst), Len: size}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	seg := openSegment(t, init, owner.Name())
+	fakeControl(t, "delay dev=fake0 us=3000;delay dev=fake1 us=3000")
+	b := submit(t, init, withRID(write(src, seg, engine.AddrOf(dst), size), rid, g.Generation))
+	waitFor(t, 10*time.Second, "first bytes landed", func() bool { return bytes.IndexByte(dst, oldByte) >= 0 })
+	if err := owner.Revoke(testCtx(t, 10*time.Second), g.ID); err != nil {
+		t.Fatalf("revoke: %v", err)
+	}
+	atRevoke := bytes.Count(dst, []byte{oldByte})
+	fakeControl(t, "reset")
+	if after := settledOldBytes(t, dst); after != atRevoke {
+		t.Errorf("%d bytes of the request landed after Revoke returned (%d then, %d settled)", after-atRevoke, atRevoke, after)
+	}
+	res := waitBatch(t, b, 30*time.Second)
+	if res[0].Status == engine.Completed {
+		t.Errorf("the WRITE completed after its grant was revoked: %+v", res[0])
+	}
+	if st := owner.Stats(); st.RDMAFences == 0 {
+		t.Errorf("no fence: %+v", st)
+	}
+}
