@@ -69,13 +69,15 @@ func TestRDMAStressACKOnHeardFindsCorruption(t *testing.T) {
 
 // TestRDMAStressOwnerFenceIsSafe: SAFETY.md's row "fake rdma, owner-side
 // QP fence". Each abort moves decode's responder QPs of the prefill to the
-// error state, with no ACK needed; decode reuses the slots at once. No
-// byte of a slot's current holder is ever overwritten, every abort is
-// Safe, and the fence cut WRITEs in flight (the prefill saw error
-// completions) while the other requests went on over new QPs.
+// error state at once (RDMAFenceGrace negative: no drained ACK is waited
+// for); decode reuses the slots at once. No byte of a slot's current holder
+// is ever overwritten, every abort is Safe, and the fence cut WRITEs in
+// flight (the prefill saw error completions) while the other requests went
+// on over new QPs.
 func TestRDMAStressOwnerFenceIsSafe(t *testing.T) {
 	cfg := rdmaStress()
 	cfg.delayUs = 300
+	cfg.fenceGrace = -1
 	// Safe needs no ACK here, so Abort returns at once; its deadline
 	// only bounds how long the ABORT is resent and the ACK counted. An
 	// initiator may take up to twice AbortDrainTimeout (5 s: tasks, then
@@ -95,6 +97,27 @@ func TestRDMAStressOwnerFenceIsSafe(t *testing.T) {
 	}
 	if r.prefill["rdma_error_wcs"] == 0 {
 		t.Error("the prefill saw no error completion: no fence cut a WRITE in flight, the race this test is for never happened")
+	}
+}
+
+// TestRDMAStressACKOrFenceIsSafe: the default. Each abort waits up to
+// RDMAFenceGrace for the prefill's drained ACK and fences only when it does
+// not come in time. 0 corrupted bytes, every abort Safe, and some aborts
+// settled by the ACK alone (fewer fences than aborts), so the prefill's
+// other requests kept their QPs.
+func TestRDMAStressACKOrFenceIsSafe(t *testing.T) {
+	cfg := rdmaStress()
+	cfg.delayUs = 300
+	cfg.abortDeadline = 12 * time.Second
+	cfg.budget = 15 * time.Second
+	cfg.requests = 1500
+	if testing.Short() {
+		cfg.requests = 400
+	}
+	r := runStress(t, cfg)
+	checkProtectedRDMA(t, r)
+	if r.decode.RDMAFences >= uint64(r.aborts) {
+		t.Errorf("decode fenced %d times for %d aborts: no abort was settled by the prefill's drained ACK", r.decode.RDMAFences, r.aborts)
 	}
 }
 

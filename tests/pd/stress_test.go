@@ -67,6 +67,9 @@ type stressConfig struct {
 	rdma    bool
 	noFence bool
 	delayUs int
+	// fenceGrace is decode's RDMAFenceGrace (0: the default; negative:
+	// fence at once, without waiting for a drained ACK).
+	fenceGrace time.Duration
 	// budget, when set, stops the run from starting requests after this
 	// long, which fails the test: a run that slows down by orders of
 	// magnitude is found out without timing out.
@@ -165,6 +168,7 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 
 	dopts := pcfg.decodeOptions()
 	dopts.Testing = engine.Testing{UnsafeAbort: cfg.unsafe, ApplyDelay: cfg.applyDelay}
+	dopts.RDMAFenceGrace = cfg.fenceGrace
 	d, err := engine.New(dopts)
 	if err != nil {
 		t.Fatal(err)
