@@ -134,6 +134,10 @@ static const char *const k_ops[] = {
 	"cuMemGetHandleForAddressRange", "cuGetErrorString", "cuGetErrorName",
 };
 
+// Per entry point (index in k_ops): calls so far, counted on entry before any
+// delay, and calls that entered and have not returned yet. Atomics.
+static long s_op_calls[sizeof(k_ops) / sizeof(k_ops[0])], s_op_running[sizeof(k_ops) / sizeof(k_ops[0])];
+
 #define E(code, text) {code, #code, text}
 static const struct {
 	CUresult code;
@@ -156,6 +160,36 @@ static const struct {
 
 // ---------------------------------------------------------------------------
 // Faults
+
+// Counts a call of entry point op in (calls, running); *idx caches op's
+// index in k_ops per call site. Returns the index, or -1.
+static int op_enter(const char *op, int *idx) {
+	int i = __atomic_load_n(idx, __ATOMIC_RELAXED);
+	if (i == -1) {
+		i = -2;
+		for (size_t k = 0; k < NELEM(k_ops); k++)
+			if (strcmp(k_ops[k], op) == 0)
+				i = (int)k;
+		__atomic_store_n(idx, i, __ATOMIC_RELAXED);
+	}
+	if (i < 0)
+		return -1;
+	__atomic_add_fetch(&s_op_calls[i], 1, __ATOMIC_SEQ_CST);
+	__atomic_add_fetch(&s_op_running[i], 1, __ATOMIC_SEQ_CST);
+	return i;
+}
+
+// Counts the call out of running when its entry point returns (cleanup).
+static void op_leave(const int *i) {
+	if (*i >= 0)
+		__atomic_sub_fetch(&s_op_running[*i], 1, __ATOMIC_SEQ_CST);
+}
+
+// First statement of every entry point that counts its calls: counts this
+// call in, and out again at whichever return.
+#define COUNT_CALL()                                                                              \
+	static int op_idx_ = -1;                                                                      \
+	__attribute__((cleanup(op_leave), unused)) const int op_ = op_enter(__func__, &op_idx_)
 
 // Called first by every entry point: sleeps for op's delay rule and counts
 // down its fail rules. Returns the code to fail with, or CUDA_SUCCESS.
@@ -187,6 +221,7 @@ static CUresult fault_enter(const char *op) {
 
 // Fault check, then: the driver must be initialised (cuInit succeeded).
 #define BEGIN()                                                                                   \
+	COUNT_CALL();                                                                                 \
 	do {                                                                                          \
 		CUresult fault_ = fault_enter(__func__);                                                  \
 		if (fault_ != CUDA_SUCCESS || __atomic_load_n(&g_state, __ATOMIC_ACQUIRE) != ST_OK)       \
@@ -321,6 +356,16 @@ EXPORT long fakecuda_stats(const char *what) {
 		{"dmabufs", &s_dmabufs},
 	};
 	long r = -1;
+	// "calls:<op>" and "running:<op>": per entry point, without the lock.
+	long *per_op = NULL;
+	const char *op = NULL;
+	if (what != NULL && strncmp(what, "calls:", 6) == 0)
+		per_op = s_op_calls, op = what + 6;
+	else if (what != NULL && strncmp(what, "running:", 8) == 0)
+		per_op = s_op_running, op = what + 8;
+	for (size_t i = 0; per_op != NULL && i < NELEM(k_ops); i++)
+		if (strcmp(k_ops[i], op) == 0)
+			return __atomic_load_n(&per_op[i], __ATOMIC_SEQ_CST);
 	LOCK();
 	for (size_t i = 0; what && i < NELEM(k); i++)
 		if (strcmp(k[i].name, what) == 0)
@@ -521,6 +566,7 @@ static int read_env(void) {
 // then. A bad variable fails cuInit with CUDA_ERROR_INVALID_VALUE (and a
 // message on stderr) rather than letting a test run with the wrong fakes.
 EXPORT CUresult cuInit(unsigned int flags) {
+	COUNT_CALL();
 	CUresult rc = fault_enter(__func__);
 	if (rc != CUDA_SUCCESS)
 		return rc;
@@ -546,6 +592,7 @@ EXPORT CUresult cuInit(unsigned int flags) {
 }
 
 EXPORT CUresult cuDriverGetVersion(int *v) {
+	COUNT_CALL();
 	CUresult rc = fault_enter(__func__);
 	if (rc == CUDA_SUCCESS && v == NULL)
 		rc = CUDA_ERROR_INVALID_VALUE;
@@ -556,6 +603,7 @@ EXPORT CUresult cuDriverGetVersion(int *v) {
 
 // After a cuInit that found no device (FAKECUDA_DEVICES=0) this answers 0.
 EXPORT CUresult cuDeviceGetCount(int *n) {
+	COUNT_CALL();
 	CUresult rc = fault_enter(__func__);
 	int st = __atomic_load_n(&g_state, __ATOMIC_ACQUIRE);
 	if (rc != CUDA_SUCCESS)

@@ -381,6 +381,52 @@ static void check_faults(void) {
 	EQ(fakecuda_stats("nonsense"), -1);
 }
 
+// A copy delayed in another thread: counted in calls:<op> and running:<op>
+// as soon as it entered (during its delay), out of running once it returned.
+struct delayed_copy {
+	CUcontext ctx;
+	CUdeviceptr src;
+	unsigned char dst[16];
+	CUresult rc;
+};
+
+static void *delayed_copy(void *arg) {
+	struct delayed_copy *d = arg;
+	d->rc = cuCtxSetCurrent(d->ctx);
+	if (d->rc == OK)
+		d->rc = cuMemcpyDtoH_v2(d->dst, d->src, sizeof(d->dst));
+	return NULL;
+}
+
+static void check_call_counters(CUcontext ctx) {
+	struct delayed_copy d = {.ctx = ctx};
+	EQ(cuMemAlloc_v2(&d.src, 4096), OK);
+	long calls = fakecuda_stats("calls:cuMemcpyDtoH_v2"), htod = fakecuda_stats("calls:cuMemcpyHtoD_v2");
+	EQ(fakecuda_stats("running:cuMemcpyDtoH_v2"), 0);
+	EQ(fakecuda_control("delay op=cuMemcpyDtoH_v2 us=300000"), 0);
+	pthread_t th;
+	CHECK(pthread_create(&th, NULL, delayed_copy, &d) == 0);
+	double t = now();
+	while (fakecuda_stats("calls:cuMemcpyDtoH_v2") == calls && now() - t < 5)
+		usleep(1000);
+	EQ(fakecuda_stats("calls:cuMemcpyDtoH_v2"), calls + 1);
+	EQ(fakecuda_stats("running:cuMemcpyDtoH_v2"), 1); // still in its 300 ms delay
+	pthread_join(th, NULL);
+	EQ(d.rc, OK);
+	EQ(fakecuda_stats("running:cuMemcpyDtoH_v2"), 0);
+	EQ(fakecuda_stats("calls:cuMemcpyDtoH_v2"), calls + 1);
+	EQ(fakecuda_stats("calls:cuMemcpyHtoD_v2"), htod); // per entry point
+	// A failed call is a call too, and leaves running as well.
+	EQ(fakecuda_control("delay op=cuMemcpyDtoH_v2 us=0; fail op=cuMemcpyDtoH_v2 after=1"), 0);
+	EQ(cuMemcpyDtoH_v2(d.dst, d.src, sizeof(d.dst)), UNKNOWN);
+	EQ(fakecuda_stats("calls:cuMemcpyDtoH_v2"), calls + 2);
+	EQ(fakecuda_stats("running:cuMemcpyDtoH_v2"), 0);
+	EQ(fakecuda_stats("calls:cuInit") > 0, 1);
+	EQ(fakecuda_stats("calls:cuNothing"), -1);
+	EQ(fakecuda_stats("running:"), -1);
+	EQ(cuMemFree_v2(d.src), OK);
+}
+
 // Per-thread current context: a new thread has none; threads copy at once.
 static void *worker(void *arg) {
 	CUdeviceptr p = 0;
@@ -424,6 +470,7 @@ static void check_contexts(void) {
 
 	check_memory(c1);
 	check_faults();
+	check_call_counters(c1);
 
 	pthread_t th[4];
 	for (int i = 0; i < 4; i++)

@@ -44,7 +44,7 @@
 
 #define FV_MAGIC 0x3153524556464b46ULL // "FKFVERS1"
 enum {
-	FV_LAYOUT = 1,        // bump when a struct below changes
+	FV_LAYOUT = 2,        // bump when a struct below changes
 	FV_NDEV = 64,         // devices fabric-wide
 	FV_NEXEC = 8,         // contexts (executors) per device and process
 	FV_NMR = 65536,       // memory regions fabric-wide
@@ -72,7 +72,7 @@ struct fv_sdev {
 	uint16_t lid;
 	uint8_t gid[16];
 	// Fault state; read by executors of every process.
-	int32_t down, fail_after, fail_status, stall_ms, delay_us, partial_after, late_land;
+	int32_t down, fail_after, fail_status, stall_ms, delay_us, partial_after, late_land, hang;
 	int32_t exec_used[FV_NEXEC];
 	// MR slots (+1) an executor of this device touches right now, so that
 	// ibv_dereg_mr can tell a dead toucher from a live one.
@@ -1264,17 +1264,22 @@ static void skip_noexec_locked(struct fv_sqp *q) {
 
 static int late_land(int gidx) { return gidx >= 0 && gidx < FV_NDEV && LD(&G.shm->dev[gidx].late_land); }
 
+// Does responder device gidx hold its work (the hang fault): it starts no
+// WQE, completes none and lets none be flushed?
+static int hung(int gidx) { return gidx >= 0 && gidx < FV_NDEV && LD(&G.shm->dev[gidx].hang); }
+
 // Moves a QP to ERR; QP lock held. Every outstanding send WQE completes with
 // FLUSH_ERR now (one being executed stops at its next chunk); those not yet
 // started are not executed, except in late-land mode where the executor
 // still runs them (bytes land after the initiator saw its QP fail). Posted
-// receives complete with FLUSH_ERR.
+// receives complete with FLUSH_ERR. While the responder device hangs, the
+// send WQEs stay outstanding, unflushed, until the hang ends (release_hung).
 static void qp_err_locked(struct fv_sqp *q) {
 	ST(&q->state, IBV_QPS_ERR);
-	int late = late_land(q->dev);
+	int late = late_land(q->dev), hold = hung(q->dest_dev);
 	for (uint64_t k = q->scq; k < q->shead; k++) {
 		struct fv_wqe *w = &sring(q)[k % q->scap];
-		if (!w->done) {
+		if (!w->done && !hold) {
 			w->status = IBV_WC_WR_FLUSH_ERR;
 			w->byte_len = 0;
 			w->done = 1;
@@ -1828,7 +1833,7 @@ static void detect_dead_responders(struct fv_cq *l) {
 			continue;
 		if (fv_lock(&q->lock, 5) != 0)
 			continue;
-		if (q->in_use == 1 && q->scq < q->shead && q->state == IBV_QPS_RTS) {
+		if (q->in_use == 1 && q->scq < q->shead && q->state == IBV_QPS_RTS && !hung(q->dest_dev)) {
 			struct fv_wqe *w = &sring(q)[q->scq % q->scap];
 			uint64_t limit = (uint64_t)FV_MIN_TIMEOUT_MS * 1000000ull;
 			uint64_t t = q->timeout ? 4096ull << q->timeout : 0;
@@ -2116,6 +2121,8 @@ static int run(struct job *j, int rnr_exceeded, uint32_t *byte_len, int *resp_er
 static int exec_one(struct fv_ctx *c, struct fv_sqp *s) {
 	struct fv_sdev *me = sdev_of(c->dev);
 	struct job j = {.c = c, .me = me, .s = s, .touch = me->touch[c->exec_slot]};
+	if (LD(&me->hang))
+		return 0; // hang: nothing starts
 	if (fv_lock(&s->lock, 2) != 0)
 		return 0;
 	int ok = s->in_use == 1 && s->dest_dev == c->dev->gidx && s->dest_serial == c->dev->serial;
@@ -2242,6 +2249,22 @@ static int parse_kv(const char *tok, const char *key, long *out) {
 	return 1;
 }
 
+// The hang of responder device g ended: requester QPs that went to ERR
+// meanwhile flush the WQEs it held; the executor takes up the others.
+static void release_hung(int g) {
+	for (int i = 0; i < FV_NQP; i++) {
+		struct fv_sqp *q = &G.shm->qp[i];
+		if (LD(&q->in_use) != 1 || LD(&q->dest_dev) != g || LD(&q->scq) >= LD(&q->shead))
+			continue;
+		if (fv_lock(&q->lock, FV_LOCK_MS) != 0)
+			continue;
+		if (q->in_use == 1 && q->dest_dev == g && q->state == IBV_QPS_ERR)
+			qp_err_locked(q);
+		fv_unlock(&q->lock);
+	}
+	ring_doorbell(g);
+}
+
 static int control_one(const char *cmd) {
 	char buf[256], *save = NULL;
 	if (cmd == NULL || strlen(cmd) >= sizeof(buf))
@@ -2265,6 +2288,10 @@ static int control_one(const char *cmd) {
 			ST(&e->delay_us, 0);
 			ST(&e->partial_after, 0);
 			ST(&e->late_land, 0);
+			if (LD(&e->hang)) {
+				ST(&e->hang, 0);
+				release_hung(G.devs[i].gidx);
+			}
 		}
 		return 0;
 	}
@@ -2310,7 +2337,11 @@ static int control_one(const char *cmd) {
 		ST(&e->partial_after, (int32_t)after);
 	else if (strcmp(verb, "late_land") == 0 && (on == 0 || on == 1))
 		ST(&e->late_land, (int32_t)on);
-	else
+	else if (strcmp(verb, "hang") == 0 && (on == 0 || on == 1)) {
+		ST(&e->hang, (int32_t)on);
+		if (!on)
+			release_hung((int)(e - G.shm->dev));
+	} else
 		return -1;
 	return 0;
 }

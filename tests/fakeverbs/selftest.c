@@ -852,6 +852,44 @@ static void test_late_land(void) {
 	CHECK(poll1(A.scq, &wc, 2000) && wc.status == IBV_WC_SUCCESS, "up: %s", V.wc_status_str(wc.status));
 }
 
+// A hanging responder starts and completes no WQE, and the requester's QP
+// going to ERR flushes none of them, until the hang ends: then they flush,
+// having moved nothing. A hang that ends while the QP is still RTS lets its
+// WQEs run.
+static void test_hang(void) {
+	struct ibv_wc wc;
+	struct ibv_qp_attr err = {.qp_state = IBV_QPS_ERR};
+	pair();
+	b_do(C_FILL, 0, 131072, 0);
+	pattern(A.buf, 131072, 15);
+	CHECK(b_control("hang dev=fake0 on=1") == 0, "hang");
+	CHECK(post(A.qp, IBV_WR_RDMA_WRITE, 1, A.buf, 65536, A.mr->lkey, Bhello.addr, Bhello.rkey, 0) == 0 &&
+	          post(A.qp, IBV_WR_RDMA_WRITE, 2, A.buf + 65536, 65536, A.mr->lkey, Bhello.addr + 65536, Bhello.rkey,
+	               0) == 0,
+	      "post");
+	CHECK(!poll1(A.scq, &wc, 300), "a WR completed at a hanging responder: %s", V.wc_status_str(wc.status));
+	CHECK(V.modify_qp(A.qp, &err, IBV_QP_STATE) == 0, "to ERR");
+	CHECK(!poll1(A.scq, &wc, 300), "a WR held by a hanging responder was flushed: %s", V.wc_status_str(wc.status));
+	CHECK(b_check(C_CHECK, 0, 131072, 0) == 0, "a WR moved bytes at a hanging responder");
+	CHECK(b_control("hang dev=fake0 on=0") == 0, "hang off");
+	for (uint64_t id = 1; id <= 2; id++)
+		CHECK(poll1(A.scq, &wc, 2000) && wc.wr_id == id && wc.status == IBV_WC_WR_FLUSH_ERR, "wr %llu after the hang: %s",
+		      (unsigned long long)id, V.wc_status_str(wc.status));
+	CHECK(b_check(C_CHECK, 0, 131072, 0) == 0, "a WR flushed after the hang moved bytes");
+	// Ended (here by reset) with the QP still RTS: the WR runs.
+	pair();
+	CHECK(b_control("hang dev=fake0 on=1") == 0, "hang");
+	CHECK(post(A.qp, IBV_WR_RDMA_WRITE, 3, A.buf, 65536, A.mr->lkey, Bhello.addr, Bhello.rkey, 0) == 0, "post");
+	CHECK(!poll1(A.scq, &wc, 200), "a WR completed at a hanging responder: %s", V.wc_status_str(wc.status));
+	CHECK(b_control("reset") == 0, "reset");
+	CHECK(poll1(A.scq, &wc, 2000) && wc.wr_id == 3 && wc.status == IBV_WC_SUCCESS, "after reset: %s",
+	      V.wc_status_str(wc.status));
+	CHECK(b_check(C_CHECKPAT, 0, 65536, 15) == 0, "the WR run after the hang moved other data");
+	CHECK(V.control("hang dev=fake9 on=1") == -1 && V.control("hang dev=fake0 on=2") == -1 &&
+	          V.control("hang dev=fake0") == -1,
+	      "bad hang commands accepted");
+}
+
 // Deregistration is a barrier: a WRITE whose chunks are delayed stops at the
 // first chunk after ibv_dereg_mr, and nothing lands once it returned.
 static void test_dereg(void) {
@@ -920,7 +958,7 @@ int main(int argc, char **argv) {
 	    {"devices", test_devices},       {"qp masks", test_masks},    {"loopback", test_loopback},
 	    {"write/read", test_write_read}, {"remote access", test_remote_access}, {"owner fence", test_fence},
 	    {"sigstop", test_sigstop},       {"send inline", test_send},  {"faults", test_faults},
-	    {"late land, down", test_late_land}, {"dereg barrier", test_dereg},
+	    {"late land, down", test_late_land}, {"dereg barrier", test_dereg}, {"hang", test_hang},
 	};
 	for (size_t i = 0; i < sizeof(tests) / sizeof(tests[0]); i++) {
 		int before = failures;

@@ -803,20 +803,22 @@ func (e *Endpoint) Cancel(ctx context.Context, ss []*transport.Slice) error {
 		if len(left) == 0 {
 			return nil
 		}
-		if e.Dead() {
-			<-e.finished // Abort returns once the flush is seen or timed out
-			flushed = true
+		dead := e.Dead()
+		if dead {
+			// Abort returns once the flush is seen or timed out.
+			select {
+			case <-e.finished:
+			case <-ctx.Done():
+			}
 		} else if !flushed && !time.Now().Before(grace) {
 			e.breakPairsOf(left)
 			flushed = true
 		}
-		if ctx.Err() != nil || (e.Dead() && flushed) {
-			if e.Dead() {
-				if still := countLive(left); still == 0 {
-					return nil
-				}
+		if ctx.Err() != nil || dead {
+			if n := countLive(left); n > 0 {
+				return fmt.Errorf("rdma path to %s: %w: %d canceled slices' work requests neither completed nor flushed", e.peer, transport.ErrInUse, n)
 			}
-			return fmt.Errorf("rdma path to %s: %w: %d canceled slices' work requests neither completed nor flushed", e.peer, transport.ErrInUse, countLive(left))
+			return nil
 		}
 		e.mu.Lock()
 		e.waitCond(min(time.Until(grace)+time.Millisecond, 10*time.Millisecond))
