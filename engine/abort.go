@@ -511,7 +511,7 @@ func (e *Engine) tasksOfLocked(owner string, rid uint64, gen uint32) []*task {
 	for _, b := range batches {
 		b.mu.Lock()
 		for _, t := range b.tasks {
-			if t.req.RequestID == rid && t.req.Generation < gen && t.req.Segment.id() == owner &&
+			if t.req.RequestID == rid && t.req.Generation < gen && t.req.Segment.knownAs(owner) &&
 				!TaskStatus(t.status.Load()).Final() {
 				out = append(out, t)
 			}
@@ -580,7 +580,7 @@ func (e *Engine) drainPaths(k tombKey) bool {
 	e.segMu.Lock()
 	segs := make([]*Segment, 0, 1)
 	for _, seg := range e.segments {
-		if seg.id() == k.owner {
+		if seg.knownAs(k.owner) {
 			segs = append(segs, seg)
 		}
 	}
@@ -766,6 +766,17 @@ func (e *Engine) sweepTombs(now time.Time) {
 			e.tombQueues[owner] = slices.Clone(q[i:])
 		}
 	}
+}
+
+// segAbortedLocked reports whether a transfer of rid at gen to seg was
+// aborted, under either name of its engine (see Segment.knownAs). Called
+// with abortMu held (shared).
+func (e *Engine) segAbortedLocked(seg *Segment, rid uint64, gen uint32) bool {
+	if e.abortedLocked(seg.name, rid, gen) {
+		return true
+	}
+	id := seg.id()
+	return id != seg.name && e.abortedLocked(id, rid, gen)
 }
 
 // abortedLocked reports whether a transfer of rid at gen to owner was aborted.

@@ -207,7 +207,7 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 		e.abortMu.RLock()
 		if len(e.tombs) > 0 {
 			for _, t := range tasks {
-				if t.req.RequestID != 0 && e.abortedLocked(t.req.Segment.id(), t.req.RequestID, t.req.Generation) {
+				if t.req.RequestID != 0 && e.segAbortedLocked(t.req.Segment, t.req.RequestID, t.req.Generation) {
 					t.final.Store(int32(Aborted))
 					aborted = append(aborted, t)
 				}

@@ -260,7 +260,17 @@ func (e *Engine) stageSlice(s *sliceT) bool {
 	s.Local = buf.mem[:len(st.gpu):len(st.gpu)]
 	s.LocalReg = buf.reg
 	// Queued: from here a cancel takes it (and unstage frees the buffer).
-	return s.Advance(transport.StateStaging, transport.StateQueued)
+	// A cancel that came during the last chunk left the slice to us: it
+	// set the task's final status first, so it is seen here, or it finds
+	// the slice Queued and takes it itself.
+	if !s.Advance(transport.StateStaging, transport.StateQueued) {
+		return false
+	}
+	if s.t.final.Load() != 0 && s.TryCancel() {
+		s.t.sliceEnded(s, transport.ErrCanceled)
+		return false
+	}
+	return true
 }
 
 // unstage ends a staged slice's use of its buffer: a READ that succeeded

@@ -182,7 +182,7 @@ func (t *task) recheck(*transport.Slice) error {
 	}
 	e := t.b.e
 	e.abortMu.RLock()
-	aborted := e.abortedLocked(t.req.Segment.id(), t.req.RequestID, t.req.Generation)
+	aborted := e.segAbortedLocked(t.req.Segment, t.req.RequestID, t.req.Generation)
 	e.abortMu.RUnlock()
 	if aborted {
 		return fmt.Errorf("%w: %w: request %d", transport.ErrRefused, transport.ErrAborted, t.req.RequestID)

@@ -89,15 +89,20 @@ type Segment struct {
 // Name is the segment's name, "host:port".
 func (s *Segment) Name() string { return s.name }
 
-// id is the peer's own name, from its descriptor: its control messages
-// (ABORT) come from it. It differs from name where a custom Resolver maps
-// an alias to the peer, so aborts and tombstones are matched by id.
+// id is the peer's own name, from its descriptor. It differs from name
+// where a custom Resolver maps an alias to the peer.
 func (s *Segment) id() string {
 	if d := s.desc.Load(); d != nil && d.Name != "" {
 		return d.Name
 	}
 	return s.name
 }
+
+// knownAs reports whether a control message from peer (an ABORT) comes
+// from this segment's engine: it arrives on the connection we opened by
+// the alias, or, when we also reach the engine by its own name, on that one
+// (its control socket routes to either), so both names match.
+func (s *Segment) knownAs(peer string) bool { return peer == s.name || peer == s.id() }
 
 // Descriptor returns the segment's descriptor: the cached one for a peer,
 // the current one for the engine itself.

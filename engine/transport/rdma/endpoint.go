@@ -76,6 +76,8 @@ type Endpoint struct {
 	keyEpoch uint64                // bumped, and keys cleared, whenever a pair breaks or connects
 	reqs     map[uint64]*reqTrack
 	canceled map[*transport.Slice]int // slices a Cancel is stopping (count of Cancels)
+	asking   *transport.Slice         // the slice whose rkeys the sender is asking for
+	stopAsk  context.CancelFunc       // ends that request
 	dead     bool
 	deadErr  error
 	finished chan struct{} // closed when the first Abort returns
@@ -564,10 +566,27 @@ func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, uint64, error) {
 		ext = transport.Span{Addr: s.Remote, Len: n}
 	}
 	req := &keysReq{Key: uint64(s.Key), Op: uint8(s.Op), RequestID: s.RequestID, Generation: s.Generation, GrantID: s.GrantID, Addr: ext.Addr, Len: ext.Len}
-	rep, err := e.t.exchange(e.ctx, e.peer, req.encode())
+	// A Cancel of the slice ends the request (the owner may not answer).
+	ctx, stop := context.WithCancel(e.ctx)
+	defer stop()
+	e.mu.Lock()
+	if e.canceled[s] > 0 {
+		e.mu.Unlock()
+		return nil, 0, fmt.Errorf("rdma: %w", transport.ErrCanceled)
+	}
+	e.asking, e.stopAsk = s, stop
+	e.mu.Unlock()
+	rep, err := e.t.exchange(ctx, e.peer, req.encode())
+	e.mu.Lock()
+	e.asking, e.stopAsk = nil, nil
+	canceled := e.canceled[s] > 0
+	e.mu.Unlock()
 	if e.ctx.Err() != nil {
 		// Aborted while asking: the slice ends with the abort's error.
 		return nil, 0, e.deathErr()
+	}
+	if canceled {
+		return nil, 0, fmt.Errorf("rdma: %w while asking for its rkeys", transport.ErrCanceled)
 	}
 	if err != nil {
 		return nil, 0, fmt.Errorf("rdma: keys of %#x at %s: %w", s.Key, e.peer, err)
@@ -779,6 +798,9 @@ func (e *Endpoint) Cancel(ctx context.Context, ss []*transport.Slice) error {
 	e.mu.Lock()
 	for _, s := range ss {
 		e.canceled[s]++
+		if e.asking == s {
+			e.stopAsk()
+		}
 	}
 	e.mu.Unlock()
 	defer func() {
@@ -802,6 +824,13 @@ func (e *Endpoint) Cancel(ctx context.Context, ss []*transport.Slice) error {
 		}
 		if len(left) == 0 {
 			return nil
+		}
+		for _, s := range left {
+			// Back in the queue (its pair broke, or a new key epoch):
+			// no work request of it is out, so it ends here.
+			if s.State() == transport.StateQueued {
+				s.Finish(fmt.Errorf("rdma: %w", transport.ErrCanceled))
+			}
 		}
 		dead := e.Dead()
 		if dead {
