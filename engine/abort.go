@@ -371,6 +371,9 @@ func (e *Engine) handleAbortAck(from string, body []byte) (control.MsgType, []by
 	pa.mu.Lock()
 	if m.Outcome == control.AckDrained && !pa.drained[from] {
 		if _, named := pa.wait[from]; named || slices.Contains(pa.acked, from) {
+			if pa.drained == nil {
+				pa.drained = map[string]bool{}
+			}
 			pa.drained[from] = true
 			select {
 			case pa.kick <- struct{}{}:

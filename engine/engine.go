@@ -323,7 +323,8 @@ type Stats struct {
 	RDMAGPUPeermem    uint64 // GPU memory registrations as is (nvidia-peermem)
 	RDMAStalls        uint64 // NIC paths broken because no work request completed within RDMACompletionTimeout
 	RDMAKeyRequests   uint64 // rkey requests answered as owner (one per new request id and key on a path)
-	RDMAHolders       int    // (initiator, request id) pairs holding rkeys from us: an abort fences these initiators
+	RDMAHolders       int    // (initiator, request id) pairs holding rkeys from us: an abort covers these initiators
+	RDMAKeyReleases   uint64 // releases taken from initiators that dropped rkeys unused for a second or more
 	// RDMAPostedByNIC counts work requests posted per local NIC port
 	// ("name:port"): how work stripes across NICs.
 	RDMAPostedByNIC map[string]uint64
@@ -353,7 +354,7 @@ func (e *Engine) Stats() Stats {
 		RDMAFailovers: rs2.Failovers, RDMAFences: rs2.Fences, RDMAFencesPending: nfenced,
 		RDMANotifications: rs2.Notifies, RDMAGPUDmabuf: rs2.DmabufMRs, RDMAGPUPeermem: rs2.PeermemMRs,
 		RDMAStalls: rs2.Stalls, RDMAPostedByNIC: rs2.PostedByNIC,
-		RDMAKeyRequests: rs2.KeyRequests, RDMAHolders: rs2.Holders,
+		RDMAKeyRequests: rs2.KeyRequests, RDMAHolders: rs2.Holders, RDMAKeyReleases: rs2.Releases,
 		AbortsSafe: e.stats.abortsSafe.Load(), AbortsNotSafe: e.stats.abortsNotSafe.Load(),
 		AbortAcks: e.stats.abortAcks.Load(), AcksUnmatched: e.stats.acksUnmatched.Load(),
 		AbortResends: e.stats.abortResends.Load(), Tombstones: rs.Tombstones, Grants: rs.Grants,

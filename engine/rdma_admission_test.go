@@ -43,8 +43,43 @@ func TestRDMAOwnerIsAskedOncePerRequestIDOnAPath(t *testing.T) {
 	asked("5 transfers without a request id", 1, func(i int) engine.Request {
 		return write(src, seg, at(i), n)
 	})
-	if h := owner.Stats().RDMAHolders; h != 6 {
-		t.Errorf("the owner records %d (initiator, request id) holders, want 6", h)
+}
+
+// A path releases the rkeys of a request id it stopped using (after a
+// second or two idle): the owner then no longer counts the initiator among
+// the request's holders, so an abort of it needs neither the initiator's
+// ACK nor a fence, and a later transfer of the request asks the owner
+// again, which refuses it.
+func TestRDMAIdleRKeysAreReleasedAndAskedForAgain(t *testing.T) {
+	opts := engine.Options{PathsPerPeer: 1}
+	owner := newEngineWith(t, rdmaOpts(t, opts))
+	init := newEngineWith(t, rdmaOpts(t, opts))
+	const n, rid = 64 << 10, 515
+	dst, src := alloc(t, owner, n), alloc(t, init, n)
+	seg := openSegment(t, init, owner.Name())
+	transfer(t, init, 30*time.Second, withRID(write(src, seg, engine.AddrOf(dst), n), rid, 0))
+	if h := owner.Stats().RDMAHolders; h != 1 {
+		t.Fatalf("the owner records %d holders after the transfer, want 1", h)
+	}
+	waitFor(t, 30*time.Second, "the initiator released the idle rkeys", func() bool {
+		st := owner.Stats()
+		return st.RDMAHolders == 0 && st.RDMAKeyReleases > 0
+	})
+	fences := owner.Stats().RDMAFences
+	res, err := owner.Abort(testCtx(t, 10*time.Second), rid, nil)
+	if err != nil || !res.Safe {
+		t.Fatalf("abort naming no initiator after the release = %+v, %v; want Safe: nobody holds rkeys for it", res, err)
+	}
+	if st := owner.Stats(); st.RDMAFences != fences {
+		t.Errorf("the abort fenced %d initiators: none held rkeys", st.RDMAFences-fences)
+	}
+	asked := owner.Stats().RDMAKeyRequests
+	r, err := init.Transfer(testCtx(t, 10*time.Second), []engine.Request{withRID(write(src, seg, engine.AddrOf(dst), n), rid, 0)})
+	if err == nil || r[0].Status != engine.Aborted {
+		t.Fatalf("a transfer of the aborted request after the release: %+v, %v; want ABORTED", r, err)
+	}
+	if owner.Stats().RDMAKeyRequests == asked {
+		t.Error("the transfer did not ask the owner for rkeys again")
 	}
 }
 

@@ -72,8 +72,12 @@ type Endpoint struct {
 	cond     *sync.Cond
 	pairs    []*pair
 	queue    []*wslice
-	keys     map[keyUse]*keysReply // rkeys the owner admitted, per access; valid for keyEpoch only
-	keyEpoch uint64                // bumped, and keys cleared, whenever a pair breaks or connects
+	keys     map[keyUse]*heldKeys // rkeys the owner admitted, per access; valid for keyEpoch only
+	keyEpoch uint64               // bumped, and keys cleared, whenever a pair breaks or connects
+	keySeq   uint64               // keys requests sent
+	keyTick  uint64               // sweeps of keys done (see sweepKeysLocked)
+	swept    time.Time            // the last sweep
+	dropped  map[uint64]struct{}  // request ids whose rkeys were dropped, to release
 	reqs     map[uint64]*reqTrack
 	canceled map[*transport.Slice]int // slices a Cancel is stopping (count of Cancels)
 	asking   *transport.Slice         // the slice whose rkeys the sender is asking for
@@ -108,7 +112,7 @@ func (t *Transport) Dial(ctx context.Context, peer, self string) (transport.Endp
 		return nil, fmt.Errorf("rdma: info from %s: %w: %w", peer, transport.ErrProtocol, err)
 	}
 	e := &Endpoint{
-		t: t, peer: peer, conn: rand.Uint64(), info: info, keys: map[keyUse]*keysReply{},
+		t: t, peer: peer, conn: rand.Uint64(), info: info, keys: map[keyUse]*heldKeys{}, dropped: map[uint64]struct{}{},
 		reqs: map[uint64]*reqTrack{}, done: make(chan struct{}), finished: make(chan struct{}),
 		canceled: map[*transport.Slice]int{},
 	}
@@ -350,7 +354,7 @@ func (e *Endpoint) Drain(ctx context.Context, requestID uint64) error {
 	e.mu.Lock()
 	for u := range e.keys {
 		if u.rid == requestID {
-			delete(e.keys, u)
+			e.dropKeysLocked(u)
 		}
 	}
 	e.mu.Unlock()
@@ -366,8 +370,18 @@ func (e *Endpoint) sender() {
 	defer close(e.done)
 	for {
 		e.mu.Lock()
-		for len(e.queue) == 0 && !e.dead {
-			e.cond.Wait()
+		for {
+			if now := time.Now(); now.Sub(e.swept) >= keyIdle && !e.dead {
+				e.sweepKeysLocked(now)
+			}
+			if len(e.queue) > 0 || e.dead {
+				break
+			}
+			if len(e.keys) > 0 || len(e.dropped) > 0 {
+				e.waitCond(keyIdle) // a sweep is due
+			} else {
+				e.cond.Wait() // idle: no CPU
+			}
 		}
 		if e.dead {
 			e.mu.Unlock()
@@ -542,7 +556,80 @@ const maxKeyUses = 1 << 14
 // epoch is planned again (see postOn). Called with mu held.
 func (e *Endpoint) newKeyEpochLocked() {
 	e.keyEpoch++
-	clear(e.keys)
+	for u := range e.keys {
+		e.dropKeysLocked(u)
+	}
+}
+
+// heldKeys is a cached answer to a keys request, and the sweep it was last
+// used in.
+type heldKeys struct {
+	*keysReply
+	used uint64
+}
+
+// Bounds of rkey release: a request id's rkeys unused for between keyIdle
+// and twice that (and with no work out) are dropped, and the owner told,
+// in messages of up to maxRelease request ids; at most maxDropped wait to
+// be told (past it the owner keeps holding them until it cuts us).
+const (
+	keyIdle    = time.Second
+	maxDropped = 1 << 16
+)
+
+// dropKeysLocked forgets one cached answer and notes its request id for
+// release. Called with mu held.
+func (e *Endpoint) dropKeysLocked(u keyUse) {
+	delete(e.keys, u)
+	if u.rid != 0 && len(e.dropped) < maxDropped {
+		e.dropped[u.rid] = struct{}{}
+	}
+}
+
+// sweepKeysLocked drops the rkeys of request ids unused since the last
+// sweep and with no work out, and tells the owner of every request id
+// whose rkeys this path no longer holds, so that it need not cut us when
+// one of them is aborted. It runs on the sender between batches: no slice
+// is being planned or posted with those rkeys then, and a later slice of
+// such a request id asks the owner again (with a higher sequence number,
+// which a late release does not undo). Called with mu held.
+func (e *Endpoint) sweepKeysLocked(now time.Time) {
+	e.swept = now
+	e.keyTick++
+	busy := func(rid uint64) bool { r := e.reqs[rid]; return r != nil && r.inflight > 0 }
+	for u, h := range e.keys {
+		if u.rid != 0 && h.used+1 < e.keyTick && !busy(u.rid) {
+			e.dropKeysLocked(u)
+		}
+	}
+	if len(e.dropped) == 0 {
+		return
+	}
+	held := make(map[uint64]bool, len(e.keys))
+	for u := range e.keys {
+		held[u.rid] = true
+	}
+	var rids []uint64
+	for rid := range e.dropped {
+		if held[rid] || busy(rid) {
+			continue // asked again since, or work of it out: a later sweep
+		}
+		delete(e.dropped, rid)
+		rids = append(rids, rid)
+		if len(rids) == maxRelease {
+			break
+		}
+	}
+	if len(rids) == 0 || !e.t.enter() {
+		return
+	}
+	m := &releaseReq{Conn: e.conn, Seq: e.keySeq, RequestIDs: rids}
+	go func() {
+		defer e.t.leave()
+		// Best effort: a release lost leaves the owner holding us, which
+		// costs a cut on an abort, never safety.
+		_, _ = e.t.exchange(e.ctx, e.peer, m.encode())
+	}()
 }
 
 // errNewEpoch: a pair broke or connected while the owner was asked.
@@ -556,16 +643,18 @@ func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, uint64, error) {
 	u := keyUse{key: s.Key, rid: s.RequestID, gen: s.Generation, grant: s.GrantID}
 	n := uint64(len(s.Local))
 	e.mu.Lock()
-	kr, epoch := e.keys[u], e.keyEpoch
-	e.mu.Unlock()
-	if kr != nil && kr.admits(s.Remote, n) {
-		return kr, epoch, nil
+	h, epoch := e.keys[u], e.keyEpoch
+	if h != nil && h.admits(s.Remote, n) {
+		h.used = e.keyTick
+		e.mu.Unlock()
+		return h.keysReply, epoch, nil
 	}
+	e.mu.Unlock()
 	ext := s.Extent
 	if !ext.Contains(s.Remote, n) {
 		ext = transport.Span{Addr: s.Remote, Len: n}
 	}
-	req := &keysReq{Key: uint64(s.Key), Op: uint8(s.Op), RequestID: s.RequestID, Generation: s.Generation, GrantID: s.GrantID, Addr: ext.Addr, Len: ext.Len}
+	req := &keysReq{Conn: e.conn, Key: uint64(s.Key), Op: uint8(s.Op), RequestID: s.RequestID, Generation: s.Generation, GrantID: s.GrantID, Addr: ext.Addr, Len: ext.Len}
 	// A Cancel of the slice ends the request (the owner may not answer).
 	ctx, stop := context.WithCancel(e.ctx)
 	defer stop()
@@ -575,6 +664,8 @@ func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, uint64, error) {
 		return nil, 0, fmt.Errorf("rdma: %w", transport.ErrCanceled)
 	}
 	e.asking, e.stopAsk = s, stop
+	e.keySeq++
+	req.Seq = e.keySeq
 	e.mu.Unlock()
 	rep, err := e.t.exchange(ctx, e.peer, req.encode())
 	e.mu.Lock()
@@ -591,7 +682,7 @@ func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, uint64, error) {
 	if err != nil {
 		return nil, 0, fmt.Errorf("rdma: keys of %#x at %s: %w", s.Key, e.peer, err)
 	}
-	kr, err = decodeKeysReply(rep, len(e.info.NICs))
+	kr, err := decodeKeysReply(rep, len(e.info.NICs))
 	if err != nil {
 		if errors.Is(err, transport.ErrRefused) {
 			return nil, 0, fmt.Errorf("rdma: key %#x at %s: %w", s.Key, e.peer, err)
@@ -607,9 +698,11 @@ func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, uint64, error) {
 		return nil, 0, errNewEpoch
 	}
 	if len(e.keys) >= maxKeyUses {
-		clear(e.keys) // keys are cheap to ask again; memory is not
+		for v := range e.keys { // keys are cheap to ask again; memory is not
+			e.dropKeysLocked(v)
+		}
 	}
-	e.keys[u] = kr
+	e.keys[u] = &heldKeys{keysReply: kr, used: e.keyTick}
 	return kr, epoch, nil
 }
 

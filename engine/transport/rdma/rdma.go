@@ -156,7 +156,7 @@ type Transport struct {
 type counters struct {
 	Posted, Completed, ErrorCompletions, Failovers, Fences, Reconnects atomic.Uint64
 	Notifies, BadNotifies, DmabufMRs, PeermemMRs, Stalls               atomic.Uint64
-	KeyRequests, HolderEvictions                                       atomic.Uint64
+	KeyRequests, HolderEvictions, Releases                             atomic.Uint64
 }
 
 // Stats is a snapshot of the transport's counters.
@@ -175,6 +175,7 @@ type Stats struct {
 	KeyRequests      uint64            // rkey requests answered as owner (one per new request id, key and path epoch)
 	Holders          int               // (initiator, request id) pairs holding rkeys from us
 	HolderEvictions  uint64            // initiators cut because they held rkeys for too many requests
+	Releases         uint64            // releases of rkeys no longer used, taken as owner
 	PostedByNIC      map[string]uint64 // work requests posted per NIC ("name:port")
 }
 
@@ -187,6 +188,7 @@ func (t *Transport) Stats() Stats {
 		DmabufMRs: t.stats.DmabufMRs.Load(), PeermemMRs: t.stats.PeermemMRs.Load(),
 		Stalls: t.stats.Stalls.Load(), PostedByNIC: t.postedByNIC(),
 		KeyRequests: t.stats.KeyRequests.Load(), Holders: t.holds.count(), HolderEvictions: t.stats.HolderEvictions.Load(),
+		Releases: t.stats.Releases.Load(),
 	}
 }
 
@@ -597,6 +599,14 @@ func (t *Transport) Serve(from string, body []byte) ([]byte, error) {
 			return nil, err
 		}
 		return t.serveKeys(from, req)
+	case kindRelease:
+		m, err := decodeRelease(body)
+		if err != nil {
+			return nil, err
+		}
+		t.holds.release(from, m.Conn, m.Seq, m.RequestIDs)
+		t.stats.Releases.Add(1)
+		return []byte{kindRelease, wireVersion}, nil
 	case kindDisconnect:
 		if len(body) != 10 || body[1] != wireVersion {
 			return nil, fmt.Errorf("%w: disconnect of %d bytes", errWire, len(body))
@@ -750,7 +760,7 @@ func (t *Transport) serveKeys(from string, req *keysReq) ([]byte, error) {
 		// Recorded before the admission: an Abort bumps the generation
 		// first and reads the holders after, so either this admission
 		// sees the new generation or the Abort sees this holder.
-		added, evict := t.holds.add(from, req.RequestID)
+		added, evict := t.holds.add(from, req.Conn, req.Seq, req.RequestID)
 		if evict != "" {
 			// Cut before the reply goes out: rkeys of this reply then
 			// reach only QPs already cut, and the initiator asks again.
@@ -760,7 +770,7 @@ func (t *Transport) serveKeys(from string, req *keysReq) ([]byte, error) {
 		if added {
 			defer func() {
 				if refused {
-					t.holds.remove(from, req.RequestID)
+					t.holds.remove(from, req.Conn, req.RequestID)
 				}
 			}()
 		}
@@ -817,6 +827,7 @@ func (t *Transport) dropConn(from string, conn uint64) {
 	t.connMu.Lock()
 	rc := t.conns[from][conn]
 	delete(t.conns[from], conn)
+	t.holds.dropConn(from, conn)
 	if len(t.conns[from]) == 0 {
 		delete(t.conns, from)
 		// No QP of it is left: the rkeys it holds reach nothing until it

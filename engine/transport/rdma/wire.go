@@ -20,6 +20,9 @@ const (
 	kindConnect    = 2 // -> connectReply: responder QPs for the initiator's QPs
 	kindKeys       = 3 // -> keysReply: the rkeys of one registration
 	kindDisconnect = 4 // -> empty: the initiator gave up a connection
+	kindRelease    = 5 // -> empty: the initiator dropped the rkeys of some request ids
+
+	maxRelease = 4096 // request ids per release
 
 	maxNICs      = 32
 	maxPairs     = 64
@@ -85,6 +88,10 @@ type connectReply struct {
 // keysReq names one registration of the owner and the access about to use
 // it (the whole transfer's range), which the owner admits like any other.
 type keysReq struct {
+	// Conn is the asking path's connection id and Seq its count of keys
+	// requests: a release names the Seq it follows, so a release that
+	// overtakes a later request of the same request id undoes nothing.
+	Conn, Seq  uint64
 	Key        uint64
 	Op         uint8
 	RequestID  uint64
@@ -278,6 +285,8 @@ func decodeConnectReply(body []byte, want int) (*connectReply, error) {
 
 func (m *keysReq) encode() []byte {
 	b := []byte{kindKeys, wireVersion, m.Op}
+	b = binary.LittleEndian.AppendUint64(b, m.Conn)
+	b = binary.LittleEndian.AppendUint64(b, m.Seq)
 	b = binary.LittleEndian.AppendUint64(b, m.Key)
 	b = binary.LittleEndian.AppendUint64(b, m.RequestID)
 	b = binary.LittleEndian.AppendUint32(b, m.Generation)
@@ -291,7 +300,49 @@ func decodeKeys(body []byte) (*keysReq, error) {
 	if r.U8() != kindKeys || r.U8() != wireVersion {
 		return nil, fmt.Errorf("%w: not a keys request of version %d", errWire, wireVersion)
 	}
-	m := &keysReq{Op: r.U8(), Key: r.U64(), RequestID: r.U64(), Generation: r.U32(), GrantID: r.U64(), Addr: r.U64(), Len: r.U64()}
+	m := &keysReq{Op: r.U8(), Conn: r.U64(), Seq: r.U64(), Key: r.U64(), RequestID: r.U64(), Generation: r.U32(), GrantID: r.U64(), Addr: r.U64(), Len: r.U64()}
+	if err := r.End(); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// releaseReq tells the owner that a path dropped its rkeys of RequestIDs
+// after its keys request Seq and has no work of them out: the owner need
+// not cut it when one of them is aborted.
+type releaseReq struct {
+	Conn, Seq  uint64
+	RequestIDs []uint64
+}
+
+func (m *releaseReq) encode() []byte {
+	b := []byte{kindRelease, wireVersion}
+	b = binary.LittleEndian.AppendUint64(b, m.Conn)
+	b = binary.LittleEndian.AppendUint64(b, m.Seq)
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(m.RequestIDs)))
+	for _, rid := range m.RequestIDs {
+		b = binary.LittleEndian.AppendUint64(b, rid)
+	}
+	return b
+}
+
+func decodeRelease(body []byte) (*releaseReq, error) {
+	r := newReader(body)
+	if r.U8() != kindRelease || r.U8() != wireVersion {
+		return nil, fmt.Errorf("%w: not a release of version %d", errWire, wireVersion)
+	}
+	m := &releaseReq{Conn: r.U64(), Seq: r.U64()}
+	n := int(r.U16())
+	if r.Err != nil {
+		return nil, r.Err
+	}
+	if n == 0 || n > maxRelease || len(r.B) != 8*n {
+		return nil, fmt.Errorf("%w: release of %d request ids in %d bytes", errWire, n, len(r.B))
+	}
+	m.RequestIDs = make([]uint64, n)
+	for i := range m.RequestIDs {
+		m.RequestIDs[i] = r.U64()
+	}
 	if err := r.End(); err != nil {
 		return nil, err
 	}

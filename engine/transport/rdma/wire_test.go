@@ -3,6 +3,7 @@ package rdma
 import (
 	"bytes"
 	"errors"
+	"slices"
 	"testing"
 
 	"github.com/kvferry/kvferry/engine/transport"
@@ -67,9 +68,18 @@ func TestWireRoundTrips(t *testing.T) {
 	if _, err := decodeKeysReply(bad.encode(), 1); !errors.Is(err, errWire) {
 		t.Fatalf("pieces with a hole: %v", err)
 	}
-	kq := &keysReq{Key: 1, Op: 2, RequestID: 3, Generation: 4, GrantID: 5, Addr: 6, Len: 7}
+	kq := &keysReq{Conn: 8, Seq: 9, Key: 1, Op: 2, RequestID: 3, Generation: 4, GrantID: 5, Addr: 6, Len: 7}
 	if g, err := decodeKeys(kq.encode()); err != nil || *g != *kq {
 		t.Fatalf("keys request: %+v, %v", g, err)
+	}
+	rr := &releaseReq{Conn: 1, Seq: 2, RequestIDs: []uint64{5, 6}}
+	if g, err := decodeRelease(rr.encode()); err != nil || !slices.Equal(g.RequestIDs, rr.RequestIDs) || g.Seq != 2 {
+		t.Fatalf("release: %+v, %v", g, err)
+	}
+	for _, bad := range []*releaseReq{{Conn: 1}, {Conn: 1, RequestIDs: make([]uint64, maxRelease+1)}} {
+		if _, err := decodeRelease(bad.encode()); !errors.Is(err, errWire) {
+			t.Fatalf("release of %d request ids: %v", len(bad.RequestIDs), err)
+		}
 	}
 }
 
@@ -82,6 +92,7 @@ func FuzzDecode(f *testing.F) {
 	f.Add((&keysReq{Key: 1}).encode())
 	f.Add((&keysReply{Addr: 1, Len: 1, Admitted: transport.Span{Addr: 1, Len: 1}, Pieces: []piece{{Len: 1, RKeys: []uint32{1}}}}).encode())
 	f.Add(encodeKeysRefusal(keysRefused, "no"))
+	f.Add((&releaseReq{Conn: 1, Seq: 2, RequestIDs: []uint64{3, 4}}).encode())
 	f.Add([]byte{})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		if m, err := decodeInfo(b); err == nil {
@@ -95,6 +106,14 @@ func FuzzDecode(f *testing.F) {
 			}
 		}
 		_, _ = decodeConnectReply(b, 1)
+		if m, err := decodeRelease(b); err == nil {
+			if g, err := decodeRelease(m.encode()); err != nil || !slices.Equal(g.RequestIDs, m.RequestIDs) || g.Conn != m.Conn || g.Seq != m.Seq {
+				t.Fatalf("release re-encode: %+v, %v", g, err)
+			}
+			if len(m.RequestIDs) == 0 || len(m.RequestIDs) > maxRelease {
+				t.Fatalf("release of %d request ids decoded", len(m.RequestIDs))
+			}
+		}
 		if m, err := decodeKeys(b); err == nil {
 			if g, err := decodeKeys(m.encode()); err != nil || *g != *m {
 				t.Fatalf("keys re-encode: %v", err)
