@@ -248,6 +248,8 @@ public:
         return s;
     }
 
+    // Ends every task in flight as CANCELED; throws KVF_ERR_IN_USE when the
+    // engine could not confirm in time that it stopped touching their memory.
     void cancel() { detail::check(kvf_batch_cancel(h_)); }
     // Frees the batch now; throws KVF_ERR_BUSY while tasks are in flight.
     void free() {
