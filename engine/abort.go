@@ -253,8 +253,12 @@ func (e *Engine) holders(requestID uint64) []string {
 }
 
 // undrained waits up to grace (and ctx) for a drained ACK from each of
-// names, and returns those without one.
+// names, and returns those without one; a negative grace fences them all
+// (the owner-side fence alone, ACKs or not).
 func (pa *pendingAbort) undrained(ctx context.Context, names []string, grace time.Duration) []string {
+	if grace < 0 {
+		return names
+	}
 	var timeout <-chan time.Time
 	if grace > 0 {
 		t := time.NewTimer(grace)

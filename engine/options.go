@@ -89,7 +89,8 @@ type Options struct {
 	// An initiator that answers in time is not fenced, so its other
 	// requests go on undisturbed; one paused, partitioned or slow is
 	// fenced, and Abort stays bounded by its deadline either way. 10 ms
-	// when zero; negative fences at once (through the environment: 0).
+	// when zero; negative fences every one at once, ACK or not (through
+	// the environment: 0).
 	RDMAFenceGrace time.Duration
 	// CUDALibrary is the CUDA driver loaded, at run time, the first time
 	// GPU memory is registered ("cuda:N", or "*" to detect).

@@ -263,6 +263,17 @@ func (s *Slice) Finish(err error) bool {
 	}
 }
 
+// FinishFrom ends the slice with err only if it is in state from (a
+// single compare-and-swap: a path taking it meanwhile keeps it), and
+// reports whether this call ended it.
+func (s *Slice) FinishFrom(from int32, err error) bool {
+	if !s.Advance(from, StateDone) {
+		return false
+	}
+	s.Done(s, err)
+	return true
+}
+
 // TryCancel cancels a slice that is queued or already on the wire, so no
 // path touches its memory again, and reports whether it did. It fails while
 // a path or the stager is copying (Active, Receiving, Staging) or after the

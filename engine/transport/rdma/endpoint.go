@@ -581,8 +581,14 @@ const (
 // release. Called with mu held.
 func (e *Endpoint) dropKeysLocked(u keyUse) {
 	delete(e.keys, u)
-	if u.rid != 0 && len(e.dropped) < maxDropped {
-		e.dropped[u.rid] = struct{}{}
+	e.noteDroppedLocked(u.rid)
+}
+
+// noteDroppedLocked notes a request id whose rkeys this path no longer
+// holds, for release. Called with mu held.
+func (e *Endpoint) noteDroppedLocked(rid uint64) {
+	if rid != 0 && len(e.dropped) < maxDropped {
+		e.dropped[rid] = struct{}{}
 	}
 }
 
@@ -611,24 +617,31 @@ func (e *Endpoint) sweepKeysLocked(now time.Time) {
 	}
 	var rids []uint64
 	for rid := range e.dropped {
-		if held[rid] || busy(rid) {
-			continue // asked again since, or work of it out: a later sweep
+		if held[rid] || busy(rid) || e.t.Uncertain(e.peer, rid) {
+			// Asked again since, work of it out, or work of it that
+			// may still land: a later sweep (uncertain ones stay held
+			// for as long as they are uncertain).
+			continue
 		}
 		delete(e.dropped, rid)
 		rids = append(rids, rid)
-		if len(rids) == maxRelease {
-			break
-		}
 	}
 	if len(rids) == 0 || !e.t.enter() {
 		return
 	}
-	m := &releaseReq{Conn: e.conn, Seq: e.keySeq, RequestIDs: rids}
+	seq := e.keySeq
 	go func() {
 		defer e.t.leave()
 		// Best effort: a release lost leaves the owner holding us, which
-		// costs a cut on an abort, never safety.
-		_, _ = e.t.exchange(e.ctx, e.peer, m.encode())
+		// costs a fence on an abort, never safety.
+		for len(rids) > 0 {
+			k := min(len(rids), maxRelease)
+			m := &releaseReq{Conn: e.conn, Seq: seq, RequestIDs: rids[:k]}
+			if _, err := e.t.exchange(e.ctx, e.peer, m.encode()); err != nil {
+				return
+			}
+			rids = rids[k:]
+		}
 	}()
 }
 
@@ -667,6 +680,17 @@ func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, uint64, error) {
 	e.keySeq++
 	req.Seq = e.keySeq
 	e.mu.Unlock()
+	// The owner may have recorded us as a holder whatever becomes of the
+	// answer: one not cached is released like a dropped one (we never
+	// used its rkeys).
+	cached := false
+	defer func() {
+		if !cached && u.rid != 0 {
+			e.mu.Lock()
+			e.noteDroppedLocked(u.rid)
+			e.mu.Unlock()
+		}
+	}()
 	rep, err := e.t.exchange(ctx, e.peer, req.encode())
 	e.mu.Lock()
 	e.asking, e.stopAsk = nil, nil
@@ -693,7 +717,7 @@ func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, uint64, error) {
 		return nil, 0, fmt.Errorf("rdma: keys of %#x at %s: %w: admitted [%#x, +%d), not the slice's [%#x, +%d)", s.Key, e.peer, transport.ErrProtocol, kr.Admitted.Addr, kr.Admitted.Len, s.Remote, n)
 	}
 	e.mu.Lock()
-	defer e.mu.Unlock()
+	defer e.mu.Unlock() // runs before the deferred note above, which locks mu
 	if e.keyEpoch != epoch {
 		return nil, 0, errNewEpoch
 	}
@@ -703,6 +727,7 @@ func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, uint64, error) {
 		}
 	}
 	e.keys[u] = &heldKeys{keysReply: kr, used: e.keyTick}
+	cached = true
 	return kr, epoch, nil
 }
 
@@ -920,10 +945,9 @@ func (e *Endpoint) Cancel(ctx context.Context, ss []*transport.Slice) error {
 		}
 		for _, s := range left {
 			// Back in the queue (its pair broke, or a new key epoch):
-			// no work request of it is out, so it ends here.
-			if s.State() == transport.StateQueued {
-				s.Finish(fmt.Errorf("rdma: %w", transport.ErrCanceled))
-			}
+			// no work request of it is out, so it ends here, unless the
+			// sender takes it first (then postOn drops it).
+			s.FinishFrom(transport.StateQueued, fmt.Errorf("rdma: %w", transport.ErrCanceled))
 		}
 		dead := e.Dead()
 		if dead {
