@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
 // The owner is asked once per new request id on a path, not once per
@@ -87,9 +88,10 @@ func TestRDMAIdleRKeysAreReleasedAndAskedForAgain(t *testing.T) {
 // grant's initiator is fenced, asks again and is refused, and no byte of
 // the request lands after Revoke returned.
 func TestRDMARevokeStopsAnInitiatorHoldingRKeys(t *testing.T) {
-	opts := rdmaOpts(t, engine.Options{})
-	owner := newEngineWith(t, opts)
-	init := newEngineWith(t, opts)
+	// On real devices decode and the initiator use different NICs, so
+	// that the WRITE crosses the link SlowPlacement shapes.
+	owner := newEngineWith(t, rdmaOpts(t, engine.Options{RDMADevices: fakeverbs.Devices("owner")}))
+	init := newEngineWith(t, rdmaOpts(t, engine.Options{RDMADevices: fakeverbs.Devices("initiator")}))
 	const size, rid = 8 << 20, 4242
 	dst, src := alloc(t, owner, size), alloc(t, init, size)
 	fillByte(src, oldByte)
@@ -98,14 +100,13 @@ func TestRDMARevokeStopsAnInitiatorHoldingRKeys(t *testing.T) {
 		t.Fatal(err)
 	}
 	seg := openSegment(t, init, owner.Name())
-	fakeControl(t, "delay dev=fake0 us=3000;delay dev=fake1 us=3000")
+	fakeverbs.SlowPlacement(t, 3000)
 	b := submit(t, init, withRID(write(src, seg, engine.AddrOf(dst), size), rid, g.Generation))
 	waitFor(t, 10*time.Second, "first bytes landed", func() bool { return bytes.IndexByte(dst, oldByte) >= 0 })
 	if err := owner.Revoke(testCtx(t, 10*time.Second), g.ID); err != nil {
 		t.Fatalf("revoke: %v", err)
 	}
 	atRevoke := bytes.Count(dst, []byte{oldByte})
-	fakeControl(t, "reset")
 	if after := settledOldBytes(t, dst); after != atRevoke {
 		t.Errorf("%d bytes of the request landed after Revoke returned (%d then, %d settled)", after-atRevoke, atRevoke, after)
 	}

@@ -189,8 +189,8 @@ func TestTransferDeadlineStopsGPUStagingCopies(t *testing.T) {
 // queued behind them on those pairs (an RC queue pair runs in order) move
 // to the reconnected pairs inside the path, unseen by the engine.
 func TestCancelOfOneRDMABatchDoesNotDisturbAnotherOnTheSamePath(t *testing.T) {
-	owner := newEngineWith(t, rdmaOpts(t, engine.Options{}))
-	init := newEngineWith(t, rdmaOpts(t, engine.Options{PathsPerPeer: 1}))
+	owner := newEngineWith(t, rdmaOpts(t, engine.Options{RDMADevices: fakeverbs.Devices("owner")}))
+	init := newEngineWith(t, rdmaOpts(t, engine.Options{PathsPerPeer: 1, RDMADevices: fakeverbs.Devices("initiator")}))
 	const size = 8 << 20
 	dstA, dstB := alloc(t, owner, size), alloc(t, owner, size)
 	srcA, srcB := alloc(t, init, size), alloc(t, init, size)
@@ -199,7 +199,7 @@ func TestCancelOfOneRDMABatchDoesNotDisturbAnotherOnTheSamePath(t *testing.T) {
 	seg := openSegment(t, init, owner.Name())
 	// 64 KiB chunks 3 ms apart on both responder NICs: each batch takes a
 	// few hundred ms to land.
-	fakeControl(t, "delay dev=fake0 us=3000;delay dev=fake1 us=3000")
+	fakeverbs.SlowPlacement(t, 3000)
 	posted0 := init.Stats().RDMAWorkRequests
 	a := submit(t, init, write(srcA, seg, engine.AddrOf(dstA), size))
 	waitFor(t, 10*time.Second, "A's first bytes landed", func() bool { return bytes.IndexByte(dstA, oldByte) >= 0 })
