@@ -24,10 +24,10 @@ import (
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
-func benchRDMAPair(b *testing.B, n int) (owner, init *engine.Engine, dst, src []byte, seg *engine.Segment) {
+func benchRDMAPair(b *testing.B, n int, fenceGrace time.Duration) (owner, init *engine.Engine, dst, src []byte, seg *engine.Segment) {
 	b.Helper()
 	opts := engine.Options{IgnoreEnv: true, Protocol: "rdma", RDMALibrary: fakeverbs.Library(b), RDMADevices: fakeverbs.Devices(""),
-		Logger: slog.New(slog.DiscardHandler)}
+		Logger: slog.New(slog.DiscardHandler), RDMAFenceGrace: fenceGrace}
 	mk := func() *engine.Engine {
 		e, err := engine.New(opts)
 		if err != nil {
@@ -55,10 +55,17 @@ func benchRDMAPair(b *testing.B, n int) (owner, init *engine.Engine, dst, src []
 // before,
 // while another goroutine of the same initiator writes 4 MiB requests of
 // request id 0 to the same owner at about 1 GB/s. It reports the 50th and
-// 99th percentiles and the background throughput reached.
+// 99th percentiles and the background throughput reached, for the default
+// (a drained ACK within RDMAFenceGrace, else the fence) and for the fence
+// at once.
 func BenchmarkRDMAAbortToSafe(b *testing.B) {
+	b.Run("ack-or-fence", func(b *testing.B) { benchAbortToSafe(b, 0) })
+	b.Run("fence-at-once", func(b *testing.B) { benchAbortToSafe(b, -1) })
+}
+
+func benchAbortToSafe(b *testing.B, fenceGrace time.Duration) {
 	const slot, bg = 1 << 20, 4 << 20
-	owner, init, dst, src, seg := benchRDMAPair(b, 2*slot+bg)
+	owner, init, dst, src, seg := benchRDMAPair(b, 2*slot+bg, fenceGrace)
 	base := engine.AddrOf(dst)
 	ctx, stop := context.WithCancel(context.Background())
 	var moved, failed atomic.Uint64
@@ -147,7 +154,7 @@ func BenchmarkRDMANewRequestID(b *testing.B) {
 		{"no-id", func(int) uint64 { return 0 }},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
-			_, init, dst, src, seg := benchRDMAPair(b, n)
+			_, init, dst, src, seg := benchRDMAPair(b, n, 0)
 			b.SetBytes(n)
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
