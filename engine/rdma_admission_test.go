@@ -118,3 +118,28 @@ func TestRDMARevokeStopsAnInitiatorHoldingRKeys(t *testing.T) {
 		t.Errorf("no fence: %+v", st)
 	}
 }
+
+// Notify keeps its deadline when its SEND is neither completed nor flushed
+// (the fake's hang on both responder NICs): it cuts the pair and returns
+// at most a short grace past the deadline, saying the notification may
+// still arrive, instead of waiting seconds for a flush that never comes.
+func TestRDMANotifyKeepsItsDeadlineWhenTheNICNeverFlushes(t *testing.T) {
+	owner := newEngineWith(t, rdmaOpts(t, engine.Options{}))
+	init := newEngineWith(t, rdmaOpts(t, engine.Options{PathsPerPeer: 1}))
+	dst, src := alloc(t, owner, 64<<10), alloc(t, init, 64<<10)
+	seg := openSegment(t, init, owner.Name())
+	transfer(t, init, 30*time.Second, write(src, seg, engine.AddrOf(dst), len(src))) // the path is up
+	fakeControl(t, "hang dev=fake0 on=1;hang dev=fake1 on=1")
+	t.Cleanup(func() { fakeControl(t, "hang dev=fake0 on=0;hang dev=fake1 on=0") })
+	const deadline = 200 * time.Millisecond
+	start := time.Now()
+	err := init.Notify(testCtx(t, deadline), seg, 5, []byte("ready"))
+	took := time.Since(start)
+	t.Logf("Notify with a %v deadline returned after %v: %v", deadline, took, err)
+	if err == nil {
+		t.Fatal("Notify succeeded while the owner's NICs execute nothing")
+	}
+	if took > deadline+time.Second {
+		t.Errorf("Notify returned %v past its deadline: it waited for a flush that never came", took-deadline)
+	}
+}
