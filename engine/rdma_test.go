@@ -266,11 +266,12 @@ func TestRDMANotifyArrivesInBandAfterTheData(t *testing.T) {
 	}
 }
 
-// The drain-aware ACK must not trust a flush: here the initiator's paths
-// are cut while its WRITE is on the wire (the fake in late-land mode
-// flushes the work requests at once yet may still place them, as a real
-// NIC's packets already sent may land), and the owner then aborts with the
-// fence off. The initiator cannot promise a drain, so its ACK says "cut"
+// The drain-aware ACK must not trust a flush: here the initiator's NIC
+// pairs are flushed while its WRITE is on the wire (a cancel: each work
+// request takes longer to place than the cancel's 50 ms grace; the fake in
+// late-land mode flushes the work requests at once yet may still place
+// them, as a real NIC's packets already sent may land), and the owner then
+// aborts with the fence off. The initiator cannot promise a drain, so its ACK says "cut"
 // and the abort is not Safe. Counting flushes as drained turns this test
 // red (the fake's own self-test shows the late bytes landing).
 func TestRDMADrainDoesNotTrustFlushedWork(t *testing.T) {
@@ -281,10 +282,11 @@ func TestRDMADrainDoesNotTrustFlushedWork(t *testing.T) {
 	dst, src := alloc(t, owner, size), alloc(t, init, size)
 	fillByte(src, oldByte)
 	seg := openSegment(t, init, owner.Name())
-	fakeControl(t, "delay dev=fake0 us=2000;delay dev=fake1 us=2000;late_land dev=fake0 on=1;late_land dev=fake1 on=1")
+	// 5 ms per 64 KiB: a 1 MiB work request takes 80 ms to place.
+	fakeControl(t, "delay dev=fake0 us=5000;delay dev=fake1 us=5000;late_land dev=fake0 on=1;late_land dev=fake1 on=1")
 	b := submit(t, init, withRID(write(src, seg, engine.AddrOf(dst), size), rid, 0))
 	waitFor(t, 10*time.Second, "first bytes landed", func() bool { return bytes.IndexByte(dst, oldByte) >= 0 })
-	b.Cancel() // cuts the paths: their work requests are flushed, yet land
+	_ = b.Cancel() // flushes the pairs: their work requests end, yet land
 	r := waitBatch(t, b, 30*time.Second)[0]
 	landedAtCancel := bytes.Count(dst, []byte{oldByte})
 	res, err := owner.Abort(testCtx(t, 2*time.Second), rid, []string{init.Name()})

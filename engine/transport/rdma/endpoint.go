@@ -966,8 +966,12 @@ func (e *Endpoint) Cancel(ctx context.Context, ss []*transport.Slice) error {
 			}
 			return nil
 		}
+		wait := 10 * time.Millisecond // completions wake us; this bounds a missed one
+		if d := time.Until(grace); d > 0 {
+			wait = min(wait, d+time.Millisecond)
+		}
 		e.mu.Lock()
-		e.waitCond(min(time.Until(grace)+time.Millisecond, 10*time.Millisecond))
+		e.waitCond(wait)
 		e.mu.Unlock()
 	}
 }
