@@ -86,6 +86,7 @@ fi
   row TestRDMAStressACKOnHeardFindsCorruption "protection off (ACK on heard): must corrupt"
   row TestRDMAStressOwnerFenceIsSafe "owner-side QP fence: 0 corrupted bytes"
   row TestRDMAStressDrainAwareACKIsSafe "drain-aware ACK: 0 corrupted bytes"
+  row TestRDMAStressACKOrFenceIsSafe "drained ACK or fence (default): 0 corrupted"
   row TestRDMASIGSTOPPrefillFenceAbortIsSafe "fence, prefill stopped then resumed/killed"
   row TestRDMASIGSTOPPrefillDrainAwareAbortIsNotSafe "drain-aware ACK, prefill stopped: NotSafe"
   row TestRDMAFenceAbortLetsOtherRequestsComplete "fence lets other requests complete"
