@@ -271,6 +271,12 @@ func (b *Batch) plan(ctx context.Context, reqs []Request) ([]*task, *slab, error
 		if r.Segment == nil || r.Segment.e != e {
 			return nil, nil, fmt.Errorf("request %d: %w: segment is not open on this engine", i, ErrInvalidArg)
 		}
+		// Before anything is allocated for it: the slice records below
+		// are bounded by memory really registered here, so an absurd
+		// length is an error, never an allocation the process dies of.
+		if _, err := e.reg.Find(r.Local, r.Length); err != nil {
+			return nil, nil, fmt.Errorf("request %d: local memory: %w", i, err)
+		}
 		nslices += int((r.Length + slice - 1) / slice)
 	}
 	sl := e.getSlab(len(reqs), nslices)

@@ -3,6 +3,8 @@ package engine_test
 import (
 	"bytes"
 	"context"
+	"errors"
+	"runtime"
 	"testing"
 	"time"
 
@@ -52,5 +54,28 @@ func TestSmokeWriteRead(t *testing.T) {
 	}
 	if !bytes.Equal(src, back) {
 		t.Fatal("read mismatch")
+	}
+}
+
+// An absurd length is refused before anything is allocated for it: a
+// request of 2^50 bytes (or 1 TiB) outside any registration is an error
+// value, not slice records for every MiB of it (which would end the
+// process with "out of memory", which no recover catches).
+func TestAbsurdLengthsAreRefusedBeforeAllocating(t *testing.T) {
+	owner := newEngineWith(t, engine.Options{})
+	init := newEngineWith(t, engine.Options{})
+	dst, src := alloc(t, owner, 1<<20), alloc(t, init, 1<<20)
+	seg := openSegment(t, init, owner.Name())
+	for _, n := range []uint64{1 << 40, 1 << 50} {
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		_, err := init.Transfer(testCtx(t, 10*time.Second), []engine.Request{{Op: engine.Write, Local: engine.AddrOf(src), Segment: seg, Remote: engine.AddrOf(dst), Length: n}})
+		runtime.ReadMemStats(&after)
+		if !errors.Is(err, engine.ErrNotRegistered) && !errors.Is(err, engine.ErrInvalidArg) && !errors.Is(err, engine.ErrOutOfBounds) {
+			t.Errorf("a WRITE of %d bytes from a 1 MiB registration: %v; want it refused as not registered", n, err)
+		}
+		if grew := after.TotalAlloc - before.TotalAlloc; grew > 1<<20 {
+			t.Errorf("refusing a WRITE of %d bytes allocated %d bytes first", n, grew)
+		}
 	}
 }

@@ -70,10 +70,11 @@ type Stats struct {
 	Refused         uint64 // accesses refused by the owner
 	RefusedInFlight uint64 // refusals that struck after some bytes had moved
 	ProtocolErrors  uint64 // connections dropped for a malformed frame
+	AcceptErrors    uint64 // accepts that failed (out of file descriptors, ...), each retried after a backoff
 }
 
 type counters struct {
-	bytesIn, bytesOut, refused, refusedInFlight, protocolErrors atomic.Uint64
+	bytesIn, bytesOut, refused, refusedInFlight, protocolErrors, acceptErrors atomic.Uint64
 }
 
 // Transport is the TCP transport. It is safe for concurrent use.
@@ -84,6 +85,7 @@ type Transport struct {
 	conns   connSet
 	wg      sync.WaitGroup
 	closing atomic.Bool
+	closed  chan struct{} // closed by Close
 	stats   counters
 
 	epMu      sync.Mutex
@@ -93,7 +95,7 @@ type Transport struct {
 // New returns a TCP transport.
 func New(opts Options) *Transport {
 	opts.fill()
-	return &Transport{opts: opts, conns: connSet{conns: map[net.Conn]struct{}{}}, endpoints: map[*endpoint]struct{}{}}
+	return &Transport{opts: opts, conns: connSet{conns: map[net.Conn]struct{}{}}, endpoints: map[*endpoint]struct{}{}, closed: make(chan struct{})}
 }
 
 // Name returns "tcp".
@@ -119,16 +121,40 @@ func (t *Transport) Listen(owner transport.Owner) (string, error) {
 	return ln.Addr().String(), nil
 }
 
+// Bounds of the backoff after a failed accept.
+const (
+	acceptBackoffMin = 5 * time.Millisecond
+	acceptBackoffMax = time.Second
+)
+
+// accept serves every connection until Close. An accept that fails (the
+// process is out of file descriptors, the kernel out of memory) is retried
+// after a backoff, never the end of serving: a peer that opens connections
+// until the owner runs out must not stop it for good.
 func (t *Transport) accept() {
 	defer t.wg.Done()
+	var backoff time.Duration
 	for {
 		c, err := t.ln.AcceptTCP()
 		if err != nil {
-			if !t.closing.Load() {
-				t.opts.Logger.Error("tcp: accept failed; no longer serving", "err", err)
+			if t.closing.Load() || errors.Is(err, net.ErrClosed) {
+				return
 			}
-			return
+			t.stats.acceptErrors.Add(1)
+			if backoff == 0 {
+				// Once per run of failures: a full process logs nothing more
+				// until an accept succeeds again.
+				t.opts.Logger.Warn("tcp: accept failed; retrying with backoff", "err", err)
+			}
+			backoff = min(max(2*backoff, acceptBackoffMin), acceptBackoffMax)
+			select {
+			case <-t.closed:
+				return
+			case <-time.After(backoff):
+			}
+			continue
 		}
+		backoff = 0
 		t.tune(c)
 		if !t.conns.add(c) {
 			_ = c.Close()
@@ -221,6 +247,7 @@ func (t *Transport) Close() error {
 	if !t.closing.CompareAndSwap(false, true) {
 		return nil
 	}
+	close(t.closed)
 	if t.ln != nil {
 		_ = t.ln.Close()
 	}
@@ -241,6 +268,6 @@ func (t *Transport) Stats() Stats {
 	return Stats{
 		BytesIn: t.stats.bytesIn.Load(), BytesOut: t.stats.bytesOut.Load(),
 		Refused: t.stats.refused.Load(), RefusedInFlight: t.stats.refusedInFlight.Load(),
-		ProtocolErrors: t.stats.protocolErrors.Load(),
+		ProtocolErrors: t.stats.protocolErrors.Load(), AcceptErrors: t.stats.acceptErrors.Load(),
 	}
 }
