@@ -19,9 +19,10 @@ import (
 	"unsafe"
 )
 
-// Key names one registration. The high 32 bits are an engine-lifetime tag
-// chosen at random, the low 32 bits a counter, so keys are never reused within
-// an engine and almost never across restarts of one.
+// Key names one registration: an engine-lifetime tag chosen at random (in
+// the high 32 bits) plus a 64-bit count of registrations, so keys are never
+// reused within an engine (the count does not wrap in any lifetime: 2^64
+// registrations) and almost never across restarts of one.
 type Key uint64
 
 // Errors returned by the registry; match them with errors.Is.
@@ -127,7 +128,7 @@ type Registry struct {
 	byAddr []*Region // sorted by Addr, non-overlapping
 	byKey  map[Key]*Region
 	tag    uint64
-	next   atomic.Uint32
+	next   atomic.Uint64 // registrations so far: the count part of keys
 
 	watchMu  sync.RWMutex
 	watchers []Watcher
@@ -245,7 +246,7 @@ func (g *Registry) Register(ranges []Range) ([]*Region, error) {
 		}
 	}
 	for _, r := range regs {
-		r.Key = Key(g.tag | uint64(g.next.Add(1)))
+		r.Key = Key(g.tag + g.next.Add(1))
 		g.byKey[r.Key] = r
 	}
 	merged := make([]*Region, 0, len(g.byAddr)+len(sorted))
