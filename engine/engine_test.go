@@ -74,7 +74,9 @@ func TestAbsurdLengthsAreRefusedBeforeAllocating(t *testing.T) {
 		if !errors.Is(err, engine.ErrNotRegistered) && !errors.Is(err, engine.ErrInvalidArg) && !errors.Is(err, engine.ErrOutOfBounds) {
 			t.Errorf("a WRITE of %d bytes from a 1 MiB registration: %v; want it refused as not registered", n, err)
 		}
-		if grew := after.TotalAlloc - before.TotalAlloc; grew > 1<<20 {
+		// The old code allocated 168 MiB for 2^40 bytes (and died for 2^50);
+		// 16 MiB leaves room for what the engines' own goroutines allocate.
+		if grew := after.TotalAlloc - before.TotalAlloc; grew > 16<<20 {
 			t.Errorf("refusing a WRITE of %d bytes allocated %d bytes first", n, grew)
 		}
 	}
