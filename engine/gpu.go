@@ -21,9 +21,10 @@ type gpu struct {
 	drv  *cuda.Driver
 	err  error
 
-	poolMu sync.Mutex
-	pool   map[int][]*stageBuf // free staging buffers by size class
-	reg    *memory.Registry    // staging buffers, never published
+	poolMu    sync.Mutex
+	pool      map[int][]*stageBuf // free staging buffers by size class
+	poolBytes int                 // bytes of the buffers in pool
+	reg       *memory.Registry    // staging buffers, never published
 }
 
 // stageBuf is one host staging buffer.
@@ -35,10 +36,12 @@ type stageBuf struct {
 }
 
 // Staging buffers are kept per size class (powers of two from 64 KiB);
-// at most stageKeep of each class wait for reuse.
+// at most stageKeep of each class, and stagePoolMax bytes in all, wait for
+// reuse (page-locked memory the pool keeps is memory the host loses).
 const (
 	stageMinClass = 16
 	stageKeep     = 16
+	stagePoolMax  = 256 << 20
 )
 
 func (e *Engine) cuda() (*cuda.Driver, error) {
@@ -103,6 +106,7 @@ func (e *Engine) getStage(dev, n int) (*stageBuf, error) {
 	if free := e.gpu.pool[cls]; len(free) > 0 {
 		b := free[len(free)-1]
 		e.gpu.pool[cls] = free[:len(free)-1]
+		e.gpu.poolBytes -= len(b.mem)
 		e.gpu.poolMu.Unlock()
 		e.stats.stagingInUse.Add(1)
 		return b, nil
@@ -138,8 +142,9 @@ func (e *Engine) freeStage(b *stageBuf) {
 func (e *Engine) putStage(b *stageBuf) {
 	e.stats.stagingInUse.Add(-1)
 	e.gpu.poolMu.Lock()
-	if len(e.gpu.pool[b.cls]) < stageKeep {
+	if len(e.gpu.pool[b.cls]) < stageKeep && e.gpu.poolBytes+len(b.mem) <= stagePoolMax {
 		e.gpu.pool[b.cls] = append(e.gpu.pool[b.cls], b)
+		e.gpu.poolBytes += len(b.mem)
 		e.gpu.poolMu.Unlock()
 		return
 	}
@@ -151,7 +156,7 @@ func (e *Engine) putStage(b *stageBuf) {
 func (e *Engine) freeStages() {
 	e.gpu.poolMu.Lock()
 	pool := e.gpu.pool
-	e.gpu.pool = map[int][]*stageBuf{}
+	e.gpu.pool, e.gpu.poolBytes = map[int][]*stageBuf{}, 0
 	e.gpu.poolMu.Unlock()
 	for _, bs := range pool {
 		for _, b := range bs {

@@ -276,3 +276,30 @@ func TestGPUOverRDMAWithoutStaging(t *testing.T) {
 	requireEqual(t, "GPU memory after GPU->GPU over rdma and back", gpuRead(t, d, 1, initGPU), want)
 	t.Logf("GPU registrations: %d dma-buf, %d as is", st.RDMAGPUDmabuf, st.RDMAGPUPeermem)
 }
+
+// An rdma peer's request for rkeys of GPU memory stages nothing at the
+// owner: the NIC reaches GPU memory itself, so admitting the access (here
+// for the whole 32 MiB registration at once) takes no host staging buffer,
+// whatever length the peer names. Staging there would let a peer pick the
+// size of pinned buffers the owner keeps.
+func TestRDMAKeyRequestsForGPUMemoryStageNothing(t *testing.T) {
+	needFakeGPU(t, "the fake NIC")
+	o := engine.Options{Protocol: "rdma", RDMALibrary: fakeverbs.Path(t), CUDALibrary: fakeverbs.CUDAPath(t)}
+	owner := newEngineWith(t, o)
+	init := newEngineWith(t, o)
+	const n = 32 << 20
+	d, ownerGPU := gpuAlloc(t, 0, n)
+	if _, err := owner.RegisterMemory(ownerGPU, "cuda:0"); err != nil {
+		t.Fatal(err)
+	}
+	src := alloc(t, init, n)
+	pinned := d.Stat("registered")
+	seg := openSegment(t, init, owner.Name())
+	transfer(t, init, 30*time.Second, withRID(write(src, seg, engine.AddrOf(ownerGPU), n), 3, 0))
+	if got := d.Stat("registered") - pinned; got != 0 {
+		t.Errorf("the owner page-locked %d host staging buffers for rdma accesses", got)
+	}
+	if st := owner.Stats(); st.StagingInUse != 0 {
+		t.Errorf("the owner holds %d staging buffers", st.StagingInUse)
+	}
+}
