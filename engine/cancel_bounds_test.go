@@ -1,14 +1,8 @@
 package engine_test
 
 import (
-	"bufio"
 	"bytes"
 	"fmt"
-	"io"
-	"os"
-	"os/exec"
-	"strconv"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -18,103 +12,9 @@ import (
 )
 
 // Cancels and deadlines that must hold wherever a slice is: waiting for
-// its rkeys from an owner that stopped answering, or in its last staging
-// chunk. The rdma owner runs in a child process, so that it can be stopped
-// with SIGSTOP, like a paused decode server.
-
-const (
-	stoppableOwnerEnv      = "KVFERRY_TEST_RDMA_OWNER"       // buffer size of the child owner
-	stoppableOwnerVerbsEnv = "KVFERRY_TEST_RDMA_OWNER_VERBS" // its libibverbs
-)
-
-func init() {
-	v := os.Getenv(stoppableOwnerEnv)
-	if v == "" {
-		return
-	}
-	os.Exit(runStoppableOwner(v))
-}
-
-func runStoppableOwner(sizeStr string) int {
-	size, err := strconv.Atoi(sizeStr)
-	if err != nil {
-		return 2
-	}
-	e, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "rdma", RDMALibrary: os.Getenv(stoppableOwnerVerbsEnv)})
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "rdma owner process: %v\n", err)
-		return 2
-	}
-	buf, err := e.AllocBuffer(size, "cpu")
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "rdma owner process: %v\n", err)
-		return 2
-	}
-	fmt.Printf("%s %d %d\n", e.Name(), engine.AddrOf(buf), len(buf))
-	_, _ = io.Copy(io.Discard, os.Stdin)
-	_ = e.Close()
-	return 0
-}
-
-// startRDMAOwnerProcess starts an rdma owner process; it is resumed and
-// stopped when the test ends.
-func startRDMAOwnerProcess(t *testing.T, size int) *target {
-	t.Helper()
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(exe, "-test.run=^$")
-	cmd.Env = append(os.Environ(), stoppableOwnerEnv+"="+strconv.Itoa(size), stoppableOwnerVerbsEnv+"="+fakeverbs.Path(t))
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGCONT)
-		_ = stdin.Close()
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
-	})
-	line := make(chan string, 1)
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		if sc.Scan() {
-			line <- sc.Text()
-		}
-		close(line)
-		_, _ = io.Copy(io.Discard, stdout)
-	}()
-	tp := &target{cmd: cmd, size: size}
-	select {
-	case l, ok := <-line:
-		f := strings.Fields(l)
-		if !ok || len(f) != 3 {
-			t.Fatalf("rdma owner said %q", l)
-		}
-		tp.name = f[0]
-		if tp.addr, err = strconv.ParseUint(f[1], 10, 64); err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(60 * time.Second):
-		t.Fatal("rdma owner did not start")
-	}
-	return tp
-}
+// its rkeys from an owner that stopped answering (the owner is a target
+// process, stopped with SIGSTOP like a paused decode server), or in its
+// last staging chunk.
 
 // A Transfer over rdma whose slice waits for its rkeys (the first slice of
 // a new request id asks the owner) from an owner that stopped answering
@@ -124,7 +24,7 @@ func TestRDMATransferToAStoppedOwnerKeepsItsDeadlineWhileAskingForRKeys(t *testi
 	fakeverbs.NeedFake(t, "a stopped owner process on the fake fabric")
 	const size = 8 << 20
 	const deadline = 200 * time.Millisecond
-	tp := startRDMAOwnerProcess(t, size)
+	tp := startTarget(t, targetConfig{size: size, rdma: fakeverbs.Path(t)})
 	a := newEngineWith(t, rdmaOpts(t, engine.Options{}))
 	local := alloc(t, a, size)
 	seg := openSegment(t, a, tp.name)

@@ -30,6 +30,7 @@ const (
 	seedEnv     = "KVFERRY_TEST_SEED"     // fill the buffer with fillPattern(seed)
 	progressEnv = "KVFERRY_TEST_PROGRESS" // print "progress N" once peers moved N bytes
 	cudaEnv     = "KVFERRY_TEST_CUDA"     // the buffer is GPU memory of this (fake) libcuda's device 0
+	rdmaEnv     = "KVFERRY_TEST_VERBS"    // the target speaks rdma over this libibverbs
 )
 
 func TestMain(m *testing.M) {
@@ -68,7 +69,11 @@ func runHelper(mode string) int {
 		}
 	}
 	cudaLib := os.Getenv(cudaEnv)
-	e, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp", CUDALibrary: cudaLib})
+	opts := engine.Options{IgnoreEnv: true, Protocol: "tcp", CUDALibrary: cudaLib}
+	if lib := os.Getenv(rdmaEnv); lib != "" {
+		opts.Protocol, opts.RDMALibrary = "rdma", lib
+	}
+	e, err := engine.New(opts)
 	if err != nil {
 		return fail("new engine: %v", err)
 	}
@@ -152,6 +157,7 @@ type targetConfig struct {
 	size     int
 	seed     uint64 // 0: leave the buffer as mapped (zeros)
 	progress uint64 // 0: no progress line
+	rdma     string // a libibverbs: the target speaks rdma over it
 }
 
 // startTarget runs the target process and waits for its segment line. It is
@@ -172,6 +178,9 @@ func startTarget(t *testing.T, cfg targetConfig) *target {
 	}
 	if cfg.cuda != "" {
 		cmd.Env = append(cmd.Env, cudaEnv+"="+cfg.cuda)
+	}
+	if cfg.rdma != "" {
+		cmd.Env = append(cmd.Env, rdmaEnv+"="+cfg.rdma)
 	}
 	cmd.Stderr = os.Stderr
 	stdin, err := cmd.StdinPipe()
