@@ -634,8 +634,12 @@ func (e *Engine) drainPaths(k tombKey) bool {
 	return ok
 }
 
+// sendAck answers an ABORT over a connection that exists (the one it came
+// on, mostly) and never opens one: the sender's name is whatever it claimed,
+// so a made-up one must cost no socket, and a real owner resends its ABORT
+// until it hears back.
 func (e *Engine) sendAck(owner string, ack control.AbortAck) {
-	_ = e.plane.Send(owner, control.MsgAbortAck, ack.Encode())
+	_ = e.plane.SendIfConnected(owner, control.MsgAbortAck, ack.Encode())
 }
 
 // waitFinal waits until every task is final, the deadline passes or the

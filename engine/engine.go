@@ -142,7 +142,10 @@ func New(opts Options) (*Engine, error) {
 		fenced: map[string]map[abortKey]struct{}{}, protoSaid: map[string]string{},
 	}
 	e.closeCtx, e.cancel = context.WithCancel(context.Background())
-	plane, err := control.Listen(host, opts.Port, e.log)
+	plane, err := control.ListenWith(host, opts.Port, control.Options{
+		MaxConns: opts.ControlMaxConns, MaxConnsPerHost: opts.ControlMaxConnsPerHost,
+		BufferBytes: uint64(opts.ControlBufferMiB) << 20,
+	}, e.log)
 	if err != nil {
 		// Mostly a host that is not ours or a port in use: the options'
 		// fault, not an internal one.
@@ -288,8 +291,15 @@ type Stats struct {
 	ProtocolErrors  uint64 // data connections dropped for malformed frames
 	ControlDropped  uint64 // malformed control messages dropped
 	ControlLate     uint64 // control replies that matched no request
-	Registrations   int    // registered ranges
-	OpenSegments    int
+	// Control-plane connections and buffers.
+	ControlConns        int    // control connections peers hold to us
+	ControlPeers        int    // control connections we hold to peers
+	ControlConnsRefused uint64 // control connections closed at once: ControlMaxConns(PerHost) reached
+	ControlConnsCut     uint64 // control connections closed for a protocol error or a timeout
+	ControlOverBudget   uint64 // control messages dropped unread: ControlBufferMiB spent
+	ControlSendFails    uint64 // control messages not sent (no connection for an answer, queue full)
+	Registrations       int    // registered ranges
+	OpenSegments        int
 
 	// Aborts, as owner.
 	AbortsSafe      uint64 // Abort calls that reported Safe
@@ -369,6 +379,8 @@ func (e *Engine) Stats() Stats {
 		Retries: e.stats.retries.Load(), OwnerBytesIn: t.BytesIn, OwnerBytesOut: t.BytesOut,
 		OwnerRefused: t.Refused, RefusedInFlight: t.RefusedInFlight, ProtocolErrors: t.ProtocolErrors,
 		ControlDropped: c.Malformed + e.stats.controlDropped.Load(), ControlLate: c.Unmatched, Registrations: e.reg.Len(), OpenSegments: nseg,
+		ControlConns: c.Conns, ControlPeers: c.Peers, ControlConnsRefused: c.ConnsRefused, ControlConnsCut: c.ConnsCut,
+		ControlOverBudget: c.OverBudget, ControlSendFails: c.SendFails,
 	}
 }
 

@@ -36,6 +36,9 @@ import (
 //	MaxTombstones      KVFERRY_TOMBSTONES           65536
 //	TombstoneTTL       KVFERRY_TOMBSTONE_TTL_MS     600000 (10 minutes)
 //	EventQueue         KVFERRY_EVENT_QUEUE          4096
+//	ControlMaxConns    KVFERRY_CONTROL_MAX_CONNS    1024 (control connections peers open to us)
+//	ControlMaxConnsPerHost KVFERRY_CONTROL_MAX_CONNS_PER_HOST 256
+//	ControlBufferMiB   KVFERRY_CONTROL_BUFFER_MB    128 (partly received control messages, all peers)
 //	LogLevel           KVFERRY_LOG_LEVEL            info (debug, info, warn, error)
 type Options struct {
 	// Host is the address the control plane and the data plane listen
@@ -138,6 +141,17 @@ type Options struct {
 	// are refused to their sender with ErrBusy (backpressure) and abort
 	// events are dropped and counted (the tasks still end ABORTED).
 	EventQueue int
+	// ControlMaxConns caps the control-plane connections peers open to
+	// this engine; each engine that opened our segment holds one. Past it,
+	// and past ControlMaxConnsPerHost from one address, a new connection is
+	// closed at once (counted in Stats.ControlConnsRefused).
+	ControlMaxConns        int
+	ControlMaxConnsPerHost int
+	// ControlBufferMiB caps the memory held for control messages still
+	// arriving, for all peers together; a message that would pass it is
+	// dropped unread (Stats.ControlOverBudget) and its sender's request
+	// times out.
+	ControlBufferMiB int
 	// Logger receives the engine's logs; default: slog's default handler
 	// at LogLevel.
 	Logger *slog.Logger
@@ -221,6 +235,8 @@ func (o *Options) applyEnv() error {
 		{"KVFERRY_MAX_RETRIES", &o.MaxRetries}, {"KVFERRY_HEARTBEAT_MISSES", &o.HeartbeatMisses},
 		{"KVFERRY_TOMBSTONES", &o.MaxTombstones}, {"KVFERRY_EVENT_QUEUE", &o.EventQueue},
 		{"KVFERRY_RDMA_RETRY_COUNT", &o.RDMARetryCount},
+		{"KVFERRY_CONTROL_MAX_CONNS", &o.ControlMaxConns}, {"KVFERRY_CONTROL_MAX_CONNS_PER_HOST", &o.ControlMaxConnsPerHost},
+		{"KVFERRY_CONTROL_BUFFER_MB", &o.ControlBufferMiB},
 	} {
 		if err := num(f.name, f.dst); err != nil {
 			return err
@@ -315,6 +331,10 @@ func (o *Options) fill() error {
 	}
 	if o.EventQueue <= 0 {
 		o.EventQueue = 4096
+	}
+	if o.ControlMaxConns < 0 || o.ControlMaxConnsPerHost < 0 || o.ControlBufferMiB < 0 || o.ControlBufferMiB > 1<<20 {
+		return fmt.Errorf("control limits %d connections, %d per host, %d MiB: want 0 (the default) or positive, at most %d MiB",
+			o.ControlMaxConns, o.ControlMaxConnsPerHost, o.ControlBufferMiB, 1<<20)
 	}
 	if o.EventQueue > 1<<20 || o.MaxTombstones > 1<<24 {
 		return fmt.Errorf("event queue %d or tombstones %d too large (at most %d and %d)", o.EventQueue, o.MaxTombstones, 1<<20, 1<<24)

@@ -11,8 +11,11 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	zmq "github.com/pebbe/zmq4"
+
+	"github.com/kvferry/kvferry/internal/ratelog"
 )
 
 // Errors of the control plane; match them with errors.Is.
@@ -20,6 +23,10 @@ var (
 	ErrClosed      = errors.New("control plane closed")
 	ErrUnreachable = errors.New("peer unreachable")
 	ErrRemote      = errors.New("peer answered with an error")
+	// ErrOverBudget: a message was dropped because the plane's buffer
+	// budget (Options.BufferBytes) was spent, or a peer's send queue
+	// (Options.MaxQueued) was full.
+	ErrOverBudget = errors.New("control plane buffer budget spent")
 )
 
 // Handler answers one request from a peer. It runs on the plane's loop
@@ -27,23 +34,105 @@ var (
 // one-way message type the reply is ignored (return 0, nil).
 type Handler func(from string, body []byte) (reply MsgType, replyBody []byte)
 
+// Options bound what peers can make the plane spend. Zero fields take the
+// defaults.
+type Options struct {
+	// MaxConns caps the connections peers open to us (default 1024).
+	// Each engine that opened our segment holds one. Past it a new
+	// connection is closed at once.
+	MaxConns int
+	// MaxConnsPerHost caps them per remote address (default 256), so one
+	// host cannot take every slot.
+	MaxConnsPerHost int
+	// BufferBytes caps the bytes of partly received messages held for all
+	// connections together (default 128 MiB). A message that would pass
+	// it is dropped as it arrives, never buffered.
+	BufferBytes uint64
+	// HandshakeTimeout: a connection that has not completed the ZMTP
+	// handshake by then is closed (default 10 s).
+	HandshakeTimeout time.Duration
+	// MessageTimeout: a message that has started must arrive whole within
+	// it, or its connection is closed (default 30 s: MaxBody at 1 MB/s).
+	MessageTimeout time.Duration
+	// MaxQueued caps the messages queued for one peer while its connection
+	// is being set up (default 1024); past it sends fail.
+	MaxQueued int
+	// PeerIdleTimeout closes our connection to a peer after it carried
+	// nothing for that long (default 2 minutes); the next message to the
+	// peer opens it again. So a peer we reached once (a name taken from a
+	// grant, or one that went away) does not keep a socket for ever.
+	PeerIdleTimeout time.Duration
+}
+
+// Defaults of Options.
+const (
+	DefaultMaxConns         = 1024
+	DefaultMaxConnsPerHost  = 256
+	DefaultBufferBytes      = 128 << 20
+	DefaultHandshakeTimeout = 10 * time.Second
+	DefaultMessageTimeout   = 30 * time.Second
+	DefaultMaxQueued        = 1024
+	DefaultPeerIdleTimeout  = 2 * time.Minute
+	// rcvHWM is libzmq's receive queue per connection, in reads of at most
+	// 8 KiB: the plane drains it continuously, so a short queue costs no
+	// speed and bounds what libzmq holds per connection to 128 KiB.
+	rcvHWM = 16
+	// tick is how often the loop checks deadlines when nothing arrives.
+	tick = 250 * time.Millisecond
+)
+
+func (o *Options) fill() {
+	if o.MaxConns <= 0 {
+		o.MaxConns = DefaultMaxConns
+	}
+	if o.MaxConnsPerHost <= 0 {
+		o.MaxConnsPerHost = DefaultMaxConnsPerHost
+	}
+	if o.BufferBytes == 0 {
+		o.BufferBytes = DefaultBufferBytes
+	}
+	if o.HandshakeTimeout <= 0 {
+		o.HandshakeTimeout = DefaultHandshakeTimeout
+	}
+	if o.MessageTimeout <= 0 {
+		o.MessageTimeout = DefaultMessageTimeout
+	}
+	if o.MaxQueued <= 0 {
+		o.MaxQueued = DefaultMaxQueued
+	}
+	if o.PeerIdleTimeout <= 0 {
+		o.PeerIdleTimeout = DefaultPeerIdleTimeout
+	}
+}
+
 // Stats are the plane's counters.
 type Stats struct {
 	Received  uint64 // messages read
 	Malformed uint64 // messages dropped by validation
 	Unmatched uint64 // replies that matched no waiting request (late, duplicate)
-	SendFails uint64 // sends refused by ZMQ (unroutable, queue full)
+	SendFails uint64 // sends refused (unroutable, queue full, no connection for a reply)
+
+	Conns         int    // connections peers hold to us now
+	Peers         int    // peers we hold a connection to now
+	ConnsRefused  uint64 // connections closed at once: MaxConns or MaxConnsPerHost reached
+	ConnsCut      uint64 // connections closed for a protocol error or a timeout
+	OverBudget    uint64 // messages dropped because BufferBytes was spent
+	BufferedBytes uint64 // bytes of partly received messages held now
 }
 
-type counters struct{ received, malformed, unmatched, sendFails atomic.Uint64 }
+type counters struct {
+	received, malformed, unmatched, sendFails, refused, cut, overBudget atomic.Uint64
+	conns, peers                                                        atomic.Int64
+}
 
 // op is work handed to the loop goroutine.
 type op struct {
-	peer   string // send a request to peer, or close it when frames is nil
+	peer   string // send a request to peer, or close it when close is set
 	frames [][]byte
 	corr   uint64
 	close  bool
 	oneway bool // a one-way message: no reply is awaited
+	noDial bool // send only over a connection that exists
 }
 
 type reply struct {
@@ -58,14 +147,31 @@ type waiter struct {
 	ch   chan reply
 }
 
+// conn is one ZMTP connection on the plane's STREAM socket: one a peer
+// opened to us (inbound), or one we opened to a peer.
+type conn struct {
+	id       string // libzmq's routing id for it on the STREAM socket
+	inbound  bool
+	name     string // inbound: the peer's name, once its READY came; outbound: the peer
+	host     string // inbound: the remote address
+	rd       *zmtpReader
+	live     bool      // outbound: the TCP connection is up now
+	since    time.Time // when it (re)connected
+	msgSince time.Time // when the message in progress began; zero when none
+	used     time.Time // outbound: when it last carried a message either way
+	queue    [][]byte  // outbound: encoded messages waiting for the peer's READY
+}
+
 // Plane is one engine's control plane. Request and Close are safe for
 // concurrent use; everything touching a socket runs on one goroutine.
 type Plane struct {
 	started atomic.Bool // the loop was started (Close starts it to close the sockets)
 	name    string
 	log     *slog.Logger
+	warn    *ratelog.Limiter
+	opts    Options
 	zctx    *zmq.Context
-	router  *zmq.Socket
+	stream  *zmq.Socket // every connection, both ways; owned by the loop
 
 	handlers map[MsgType]Handler // fixed before Start
 
@@ -81,22 +187,39 @@ type Plane struct {
 	waitMu  sync.Mutex
 	waiting map[uint64]waiter
 
+	// Owned by the loop.
+	conns    map[string]*conn // by routing id
+	inByName map[string]*conn // inbound, by the peer's name: the newest wins
+	outPeer  map[string]*conn // outbound, by peer
+	perHost  map[string]int   // inbound connections per remote address
+	buffered uint64           // bytes held by readers (atomic for Stats)
+	dials    uint64           // outbound connections made: their routing ids
+
 	stats counters
 	done  chan struct{}
 }
 
-// Listen binds the ROUTER socket on host:port (port 0 picks a free port) and
-// returns a plane whose Name is the bound "host:port" ("[::1]:port" for
-// IPv6). Register handlers with Handle, then call Start.
+// Listen binds the plane on host:port (port 0 picks a free port) with the
+// default Options; see ListenWith.
 func Listen(host string, port int, log *slog.Logger) (*Plane, error) {
+	return ListenWith(host, port, Options{}, log)
+}
+
+// ListenWith binds the plane's socket on host:port (port 0 picks a free
+// port) and returns a plane whose Name is the bound "host:port"
+// ("[::1]:port" for IPv6). Register handlers with Handle, then call Start.
+func ListenWith(host string, port int, opts Options, log *slog.Logger) (*Plane, error) {
 	if log == nil {
 		log = slog.Default()
 	}
+	opts.fill()
 	zctx, err := zmq.NewContext()
 	if err != nil {
 		return nil, fmt.Errorf("control: zmq context: %w", err)
 	}
-	p := &Plane{log: log, zctx: zctx, handlers: map[MsgType]Handler{}, waiting: map[uint64]waiter{}, done: make(chan struct{})}
+	p := &Plane{log: log, warn: ratelog.New(log), opts: opts, zctx: zctx, handlers: map[MsgType]Handler{},
+		waiting: map[uint64]waiter{}, done: make(chan struct{}),
+		conns: map[string]*conn{}, inByName: map[string]*conn{}, outPeer: map[string]*conn{}, perHost: map[string]int{}}
 	// Correlation ids start at random, so a restarted engine on the same
 	// port never takes a late reply meant for its previous run.
 	var seed [8]byte
@@ -108,16 +231,14 @@ func Listen(host string, port int, log *slog.Logger) (*Plane, error) {
 		_ = zctx.Term()
 		return nil, err
 	}
-	ipv6 := strings.Contains(host, ":")
-	if p.router, err = p.socket(zmq.ROUTER, ipv6); err != nil {
+	if p.stream, err = p.socket(zmq.STREAM); err != nil {
 		return fail(err)
 	}
-	if err := p.router.SetRouterMandatory(1); err != nil {
-		return fail(fmt.Errorf("control: ROUTER_MANDATORY: %w", err))
+	if err := p.stream.SetRcvhwm(rcvHWM); err != nil {
+		return fail(fmt.Errorf("control: RCVHWM: %w", err))
 	}
-	if err := p.router.SetRouterHandover(true); err != nil {
-		return fail(fmt.Errorf("control: ROUTER_HANDOVER: %w", err))
-	}
+	ipv6 := strings.Contains(host, ":")
+	_ = p.stream.SetIpv6(ipv6)
 	bindHost := host
 	if ipv6 {
 		bindHost = "[" + host + "]"
@@ -126,22 +247,27 @@ func Listen(host string, port int, log *slog.Logger) (*Plane, error) {
 	if port != 0 {
 		portStr = fmt.Sprint(port)
 	}
-	if err := p.router.Bind("tcp://" + bindHost + ":" + portStr); err != nil {
+	if err := p.stream.Bind("tcp://" + bindHost + ":" + portStr); err != nil {
 		return fail(fmt.Errorf("control: bind %s:%s: %w", bindHost, portStr, err))
 	}
-	ep, err := p.router.GetLastEndpoint()
+	ep, err := p.stream.GetLastEndpoint()
 	if err != nil {
 		return fail(fmt.Errorf("control: bound endpoint: %w", err))
 	}
 	p.name = strings.TrimPrefix(ep, "tcp://")
+	// Both ways on one socket: an outbound connection gets a routing id we
+	// choose (outID), so it never collides with libzmq's ids for inbound
+	// ones, which start with a zero byte. Set after the bind, IPv6 lets it
+	// reach peers of either family without changing the bound name.
+	_ = p.stream.SetIpv6(true)
 	inproc := fmt.Sprintf("inproc://kvferry-wake-%p", p)
-	if p.wakeRecv, err = p.socket(zmq.PULL, false); err != nil {
+	if p.wakeRecv, err = p.socket(zmq.PULL); err != nil {
 		return fail(err)
 	}
 	if err := p.wakeRecv.Bind(inproc); err != nil {
 		return fail(fmt.Errorf("control: bind %s: %w", inproc, err))
 	}
-	if p.wakeSend, err = p.socket(zmq.PUSH, false); err != nil {
+	if p.wakeSend, err = p.socket(zmq.PUSH); err != nil {
 		return fail(err)
 	}
 	if err := p.wakeSend.Connect(inproc); err != nil {
@@ -150,20 +276,13 @@ func Listen(host string, port int, log *slog.Logger) (*Plane, error) {
 	return p, nil
 }
 
-// socket makes a socket with linger 0 and the size cap.
-func (p *Plane) socket(t zmq.Type, ipv6 bool) (*zmq.Socket, error) {
+// socket makes a socket with linger 0.
+func (p *Plane) socket(t zmq.Type) (*zmq.Socket, error) {
 	s, err := p.zctx.NewSocket(t)
 	if err != nil {
 		return nil, fmt.Errorf("control: new %v socket: %w", t, err)
 	}
 	_ = s.SetLinger(0)
-	if err := s.SetMaxmsgsize(MaxBody + EnvelopeSize); err != nil {
-		_ = s.Close()
-		return nil, fmt.Errorf("control: MAXMSGSIZE: %w", err)
-	}
-	if ipv6 {
-		_ = s.SetIpv6(true)
-	}
 	return s, nil
 }
 
@@ -219,24 +338,39 @@ func (p *Plane) Request(ctx context.Context, peer string, t MsgType, body []byte
 
 // Send queues a one-way message (t.IsOneWay()) to peer and returns without
 // waiting: delivery is not confirmed, so callers that need it resend until
-// the peer's own one-way answer arrives. The message goes through our ROUTER
-// when the peer has a DEALER connected to us (ROUTER_MANDATORY tells when it
-// has not), else through our DEALER to the peer.
+// the peer's own one-way answer arrives. The message goes over the
+// connection the peer opened to us when it has one, else over ours to it,
+// which Send opens if needed.
 func (p *Plane) Send(peer string, t MsgType, body []byte) error {
+	return p.sendOneWay(peer, t, body, false)
+}
+
+// SendIfConnected is Send that never opens a connection: the message goes
+// over a connection that exists (the peer's to us, or ours to it), or is
+// dropped and counted in SendFails. It answers senders nobody vouched for
+// (an ABORT's acknowledgement): a made-up sender name costs no socket, and
+// a real one resends until it hears back.
+func (p *Plane) SendIfConnected(peer string, t MsgType, body []byte) error {
+	return p.sendOneWay(peer, t, body, true)
+}
+
+func (p *Plane) sendOneWay(peer string, t MsgType, body []byte, noDial bool) error {
 	if !t.IsOneWay() {
 		return fmt.Errorf("control: send %s: %w: not a one-way message", t, ErrMalformed)
 	}
-	if _, _, err := net.SplitHostPort(peer); err != nil {
-		return fmt.Errorf("control: peer %q: %w", peer, err)
+	if !noDial {
+		if _, _, err := net.SplitHostPort(peer); err != nil {
+			return fmt.Errorf("control: peer %q: %w", peer, err)
+		}
 	}
 	frames := [][]byte{EncodeEnvelope(Envelope{Type: t, Corr: p.corr.Add(1)})}
 	if len(body) > 0 {
 		frames = append(frames, body)
 	}
-	return p.enqueue(op{peer: peer, frames: frames, oneway: true})
+	return p.enqueue(op{peer: peer, frames: frames, oneway: true, noDial: noDial})
 }
 
-// Forget closes the socket to peer; a later Request opens a new one.
+// Forget closes our connection to peer; a later Request opens a new one.
 func (p *Plane) Forget(peer string) { _ = p.enqueue(op{peer: peer, close: true}) }
 
 func (p *Plane) enqueue(o op) error {
@@ -287,34 +421,38 @@ func (p *Plane) Close() error {
 // Stats returns a snapshot of the counters.
 func (p *Plane) Stats() Stats {
 	return Stats{Received: p.stats.received.Load(), Malformed: p.stats.malformed.Load(),
-		Unmatched: p.stats.unmatched.Load(), SendFails: p.stats.sendFails.Load()}
+		Unmatched: p.stats.unmatched.Load(), SendFails: p.stats.sendFails.Load(),
+		Conns: int(p.stats.conns.Load()), Peers: int(p.stats.peers.Load()),
+		ConnsRefused: p.stats.refused.Load(), ConnsCut: p.stats.cut.Load(),
+		OverBudget: p.stats.overBudget.Load(), BufferedBytes: atomic.LoadUint64(&p.buffered)}
 }
 
 func (p *Plane) closeSockets() {
-	for _, s := range []*zmq.Socket{p.router, p.wakeRecv, p.wakeSend} {
+	for _, s := range []*zmq.Socket{p.stream, p.wakeRecv, p.wakeSend} {
 		if s != nil {
 			_ = s.Close()
 		}
 	}
 }
 
-// loop owns the ROUTER, the wake PULL and every DEALER.
+// loop owns the STREAM socket, the wake PULL and every connection.
 func (p *Plane) loop() {
 	defer close(p.done)
-	dealers := map[string]*zmq.Socket{}
-	peerOf := map[*zmq.Socket]string{}
 	poller := zmq.NewPoller()
-	poller.Add(p.router, zmq.POLLIN)
+	poller.Add(p.stream, zmq.POLLIN)
 	poller.Add(p.wakeRecv, zmq.POLLIN)
 	defer func() {
-		for _, d := range dealers {
-			_ = d.Close()
+		for _, c := range p.conns {
+			if c.rd != nil {
+				c.rd.drop()
+			}
 		}
-		_ = p.router.Close()
+		_ = p.stream.Close()
 		_ = p.wakeRecv.Close()
 	}()
+	lastSweep := time.Now()
 	for {
-		polled, err := poller.Poll(-1)
+		polled, err := poller.Poll(tick)
 		if err != nil {
 			if zmq.AsErrno(err) == zmq.Errno(4) { // EINTR
 				continue
@@ -330,11 +468,13 @@ func (p *Plane) loop() {
 						break
 					}
 				}
-			case p.router:
-				p.drainRouter()
-			default:
-				p.drainDealer(it.Socket, peerOf[it.Socket])
+			case p.stream:
+				p.drain()
 			}
+		}
+		if now := time.Now(); now.Sub(lastSweep) >= tick {
+			lastSweep = now
+			p.sweep(now)
 		}
 		p.opMu.Lock()
 		ops, closed := p.ops, p.closed
@@ -344,177 +484,347 @@ func (p *Plane) loop() {
 			return
 		}
 		for _, o := range ops {
-			d := dealers[o.peer]
-			if o.close {
-				if d != nil {
-					_ = poller.RemoveBySocket(d)
-					_ = d.Close()
-					delete(dealers, o.peer)
-					delete(peerOf, d)
-				}
-				continue
-			}
-			if o.oneway {
-				parts := append([]any{o.peer}, toParts(o.frames)...)
-				if _, err := p.router.SendMessageDontwait(parts...); err == nil {
-					continue
-				}
-				// Unroutable (the peer has no DEALER to us): go through ours.
-			}
-			if d == nil {
-				if d, err = p.dial(o.peer); err != nil {
-					if o.oneway {
-						p.stats.sendFails.Add(1)
-						continue
-					}
-					p.deliver(o.corr, o.peer, reply{env: Envelope{Type: MsgError}, body: []byte(err.Error())})
-					continue
-				}
-				dealers[o.peer] = d
-				peerOf[d] = o.peer
-				poller.Add(d, zmq.POLLIN)
-			}
-			if _, err := d.SendMessageDontwait(toParts(o.frames)...); err != nil {
-				p.stats.sendFails.Add(1)
-				if o.oneway {
-					continue
-				}
-				p.deliver(o.corr, o.peer, reply{env: Envelope{Type: MsgError}, body: []byte("send: " + err.Error())})
-			}
+			p.run(o)
 		}
 	}
 }
 
-func toParts(frames [][]byte) []any {
-	parts := make([]any, len(frames))
-	for i, f := range frames {
-		parts[i] = f
+// run carries out one op on the loop.
+func (p *Plane) run(o op) {
+	if o.close {
+		if c := p.outPeer[o.peer]; c != nil {
+			p.dropOutbound(c)
+		}
+		return
 	}
-	return parts
+	msg := encodeMessage(o.frames)
+	if o.oneway {
+		if c := p.inByName[o.peer]; c != nil && p.sendRaw(c.id, msg) == nil {
+			return
+		}
+		// No connection from the peer: go through ours.
+	}
+	c := p.outPeer[o.peer]
+	if c == nil {
+		if o.noDial {
+			p.stats.sendFails.Add(1)
+			return
+		}
+		var err error
+		if c, err = p.dial(o.peer); err != nil {
+			p.failOp(o, err)
+			return
+		}
+	}
+	c.used = time.Now()
+	if !c.live || c.rd == nil || !c.rd.ready {
+		if len(c.queue) >= p.opts.MaxQueued {
+			p.failOp(o, fmt.Errorf("%w: %d messages queued for %s", ErrOverBudget, len(c.queue), o.peer))
+			return
+		}
+		c.queue = append(c.queue, msg)
+		return
+	}
+	if err := p.sendRaw(c.id, msg); err != nil {
+		p.failOp(o, fmt.Errorf("send: %w", err))
+	}
 }
 
-// dial opens the DEALER to peer, with our name as its routing id so the
-// peer's ROUTER knows who is asking.
-func (p *Plane) dial(peer string) (*zmq.Socket, error) {
-	host, _, _ := net.SplitHostPort(peer)
-	d, err := p.socket(zmq.DEALER, strings.Contains(host, ":"))
-	if err != nil {
-		return nil, err
+// failOp counts a send that failed and answers its requester at once.
+func (p *Plane) failOp(o op, err error) {
+	p.stats.sendFails.Add(1)
+	if !o.oneway {
+		p.deliver(o.corr, o.peer, reply{env: Envelope{Type: MsgError}, body: []byte(err.Error())})
 	}
-	if err := d.SetIdentity(p.name); err != nil {
-		_ = d.Close()
+}
+
+// sendRaw writes bytes on the connection with routing id id.
+func (p *Plane) sendRaw(id string, b []byte) error {
+	_, err := p.stream.SendMessageDontwait(id, b)
+	return err
+}
+
+// dial opens our connection to peer. libzmq reconnects it by itself; the
+// routing id we give it stays across reconnects. Each dial takes a new id:
+// libzmq ends a disconnected connection asynchronously, and an id still in
+// use must not be given again.
+func (p *Plane) dial(peer string) (*conn, error) {
+	p.dials++
+	id := fmt.Sprintf("o%d", p.dials) // libzmq's own ids start with a zero byte
+	if err := p.stream.SetConnectRid(id); err != nil {
 		return nil, fmt.Errorf("control: routing id: %w", err)
 	}
-	if err := d.Connect("tcp://" + peer); err != nil {
-		_ = d.Close()
+	if err := p.stream.Connect("tcp://" + peer); err != nil {
 		return nil, fmt.Errorf("control: connect %s: %w", peer, err)
 	}
-	return d, nil
+	c := &conn{id: id, name: peer, used: time.Now()}
+	p.conns[c.id] = c
+	p.outPeer[peer] = c
+	p.stats.peers.Add(1)
+	return c, nil
 }
 
-// recv reads one whole message without blocking, keeping at most MaxFrames
-// frames; the rest of an over-long message is read and dropped.
-func recv(s *zmq.Socket) (frames [][]byte, extra int, err error) {
+// dropOutbound ends our connection to c's peer for good; a later send
+// dials again.
+func (p *Plane) dropOutbound(c *conn) {
+	_ = p.stream.Disconnect("tcp://" + c.name)
+	p.resetReader(c)
+	delete(p.conns, c.id)
+	delete(p.outPeer, c.name)
+	p.stats.peers.Add(-1)
+}
+
+// closeInbound closes a connection a peer opened to us.
+func (p *Plane) closeInbound(c *conn) {
+	_ = p.sendRaw(c.id, nil) // an empty message closes a STREAM connection
+	p.forgetInbound(c)
+}
+
+// forgetInbound drops an inbound connection's state (it closed).
+func (p *Plane) forgetInbound(c *conn) {
+	p.resetReader(c)
+	delete(p.conns, c.id)
+	if p.inByName[c.name] == c {
+		delete(p.inByName, c.name)
+	}
+	if p.perHost[c.host]--; p.perHost[c.host] <= 0 {
+		delete(p.perHost, c.host)
+	}
+	p.stats.conns.Add(-1)
+}
+
+func (p *Plane) resetReader(c *conn) {
+	if c.rd != nil {
+		c.rd.drop()
+		c.rd = nil
+	}
+	c.msgSince = time.Time{}
+}
+
+func (p *Plane) newReader(c *conn) *zmtpReader {
+	rd := newZMTPReader(zmtpLimits{maxFrames: MaxFrames - 1, maxFrame: MaxBody + EnvelopeSize, maxBytes: MaxBody + EnvelopeSize},
+		p.reserve, p.release)
+	rd.onReady = func() error { return p.becameReady(c) }
+	return rd
+}
+
+func (p *Plane) reserve(n uint64) bool {
+	if atomic.LoadUint64(&p.buffered)+n > p.opts.BufferBytes {
+		p.stats.overBudget.Add(1)
+		return false
+	}
+	atomic.AddUint64(&p.buffered, n)
+	return true
+}
+
+func (p *Plane) release(n uint64) { atomic.AddUint64(&p.buffered, -n) }
+
+// drain reads everything waiting on the STREAM socket: connection events
+// (an empty message: the connection opened, or closed if we knew it) and
+// bytes.
+func (p *Plane) drain() {
 	for {
-		f, err := s.RecvBytes(zmq.DONTWAIT)
+		msg, meta, err := p.stream.RecvMessageBytesWithMetadata(zmq.DONTWAIT, "Peer-Address")
 		if err != nil {
-			return nil, 0, err
+			return
 		}
-		if len(frames) < MaxFrames {
-			frames = append(frames, f)
+		if len(msg) != 2 {
+			continue // a STREAM socket always delivers routing id and data
+		}
+		id, data := string(msg[0]), msg[1]
+		c := p.conns[id]
+		if len(data) == 0 {
+			switch {
+			case c == nil && id != "" && id[0] == 0:
+				p.accept(id, meta["Peer-Address"])
+			case c == nil: // the end of an outbound connection we dropped
+			case c.inbound:
+				p.forgetInbound(c)
+			case c.live: // our connection went down; libzmq redials it
+				c.live = false
+				p.resetReader(c)
+			default: // our connection came up
+				c.live, c.since = true, time.Now()
+				c.rd = p.newReader(c)
+				_ = p.sendRaw(c.id, append(zmtpGreeting(), zmtpReady("DEALER", p.name)...))
+			}
+			continue
+		}
+		if c == nil || c.rd == nil {
+			continue // bytes of a connection we closed
+		}
+		p.feed(c, data)
+	}
+}
+
+// accept takes a new inbound connection, or refuses it past the caps.
+func (p *Plane) accept(id, host string) {
+	if len(p.conns)-len(p.outPeer) >= p.opts.MaxConns || p.perHost[host] >= p.opts.MaxConnsPerHost {
+		_ = p.sendRaw(id, nil)
+		p.stats.refused.Add(1)
+		p.warn.Warn("refused:"+host, "control: connection refused: too many connections",
+			"peer_address", host, "total", len(p.conns)-len(p.outPeer), "from_address", p.perHost[host],
+			"max", p.opts.MaxConns, "max_per_address", p.opts.MaxConnsPerHost)
+		return
+	}
+	c := &conn{id: id, inbound: true, host: host, since: time.Now(), name: id}
+	c.rd = p.newReader(c)
+	p.conns[id] = c
+	p.perHost[host]++
+	p.stats.conns.Add(1)
+	_ = p.sendRaw(id, append(zmtpGreeting(), zmtpReady("ROUTER", "")...))
+}
+
+// feed parses bytes of connection c and handles the messages they end.
+func (p *Plane) feed(c *conn, data []byte) {
+	ended := false
+	err := c.rd.feed(data, func(frames [][]byte, dropped error) {
+		ended = true
+		c.used = time.Now()
+		p.stats.received.Add(1)
+		if dropped != nil {
+			p.malformed("message", c.name, dropped)
+			return
+		}
+		if c.inbound {
+			p.handleRequest(c, frames)
 		} else {
-			extra++
+			p.handleReply(c, frames)
 		}
-		more, err := s.GetRcvmore()
-		if err != nil || !more {
-			return frames, extra, nil
-		}
+	})
+	if err != nil {
+		p.stats.cut.Add(1)
+		p.warn.Warn("proto:"+c.host+c.name, "control: connection closed: protocol error", "peer", c.name, "address", c.host, "err", err)
+		p.cut(c)
+		return
+	}
+	switch {
+	case !c.rd.inMessage():
+		c.msgSince = time.Time{}
+	case ended || c.msgSince.IsZero():
+		c.msgSince = time.Now()
 	}
 }
 
-// drainRouter answers every request waiting on the ROUTER.
-func (p *Plane) drainRouter() {
-	for {
-		frames, extra, err := recv(p.router)
-		if err != nil {
-			return
+// becameReady runs once when c's peer completed the handshake.
+func (p *Plane) becameReady(c *conn) error {
+	if c.inbound {
+		switch c.rd.socketType {
+		case "DEALER", "ROUTER":
+		default:
+			return fmt.Errorf("%w: peer socket type %q", errProtocol, c.rd.socketType)
 		}
-		p.stats.received.Add(1)
-		if len(frames) < 2 || extra > 0 || len(frames[0]) == 0 {
-			p.malformed("request", "", fmt.Errorf("%w: %d frames", ErrMalformed, len(frames)+extra))
-			continue
+		if c.rd.identity != "" {
+			c.name = c.rd.identity
 		}
-		from := string(frames[0])
-		env, err := DecodeEnvelope(frames[1])
-		if err != nil {
-			p.malformed("request", from, err)
-			continue
-		}
-		var body []byte
-		if len(frames) == 3 {
-			if body, err = UnpackBody(frames[2], env.Flags); err != nil {
-				p.malformed("request", from, err)
-				continue
-			}
-		}
-		h := p.handlers[env.Type]
-		if env.Type.IsOneWay() {
-			if h != nil {
-				h(from, body)
-			}
-			continue
-		}
-		rt, rb := MsgError, []byte(fmt.Sprintf("no handler for %s", env.Type))
-		if h != nil {
-			rt, rb = h(from, body)
-		}
-		packed, flags := PackBody(rb)
-		parts := []any{frames[0], EncodeEnvelope(Envelope{Type: rt, Flags: flags, Corr: env.Corr})}
-		if len(rb) > 0 {
-			parts = append(parts, packed)
-		}
-		if _, err := p.router.SendMessageDontwait(parts...); err != nil {
+		p.inByName[c.name] = c // the newest connection of a name takes its messages
+		return nil
+	}
+	for _, m := range c.queue {
+		if err := p.sendRaw(c.id, m); err != nil {
 			p.stats.sendFails.Add(1)
-			p.log.Debug("control: reply not sent", "peer", from, "type", rt, "err", err)
 		}
+	}
+	c.queue = nil
+	return nil
+}
+
+// cut closes a connection that broke the protocol or timed out.
+func (p *Plane) cut(c *conn) {
+	if c.inbound {
+		p.closeInbound(c)
+	} else {
+		p.dropOutbound(c)
 	}
 }
 
-// drainDealer hands every reply waiting on a DEALER to its requester.
-func (p *Plane) drainDealer(d *zmq.Socket, peer string) {
-	for {
-		frames, extra, err := recv(d)
-		if err != nil {
+// sweep closes connections past their deadlines.
+func (p *Plane) sweep(now time.Time) {
+	for _, c := range p.conns {
+		if !c.inbound && len(c.queue) == 0 && now.Sub(c.used) > p.opts.PeerIdleTimeout {
+			p.dropOutbound(c) // idle: nothing lost, the next send dials again
+			continue
+		}
+		if c.rd == nil {
+			continue
+		}
+		var why string
+		switch {
+		case !c.rd.ready && now.Sub(c.since) > p.opts.HandshakeTimeout:
+			why = "handshake not completed"
+		case !c.msgSince.IsZero() && now.Sub(c.msgSince) > p.opts.MessageTimeout:
+			why = "message not completed"
+		default:
+			continue
+		}
+		p.stats.cut.Add(1)
+		p.warn.Warn("timeout:"+c.host+c.name, "control: connection closed: "+why, "peer", c.name, "address", c.host)
+		p.cut(c)
+	}
+}
+
+// handleRequest answers one message a peer sent on its connection to us.
+func (p *Plane) handleRequest(c *conn, frames [][]byte) {
+	from := c.name
+	env, err := DecodeEnvelope(frames[0])
+	if err != nil {
+		p.malformed("request", from, err)
+		return
+	}
+	var body []byte
+	if len(frames) == 2 {
+		if body, err = UnpackBody(frames[1], env.Flags); err != nil {
+			p.malformed("request", from, err)
 			return
 		}
-		p.stats.received.Add(1)
-		if len(frames) < 1 || len(frames) > 2 || extra > 0 {
-			p.malformed("reply", peer, fmt.Errorf("%w: %d frames", ErrMalformed, len(frames)+extra))
-			continue
-		}
-		env, err := DecodeEnvelope(frames[0])
-		if err == nil && !env.Type.IsReply() && !env.Type.IsOneWay() {
-			err = fmt.Errorf("%w: %s is neither a reply nor one-way", ErrMalformed, env.Type)
-		}
-		if err != nil {
-			p.malformed("reply", peer, err)
-			continue
-		}
-		var body []byte
-		if len(frames) == 2 {
-			if body, err = UnpackBody(frames[1], env.Flags); err != nil {
-				p.malformed("reply", peer, err)
-				continue
-			}
-		}
-		if env.Type.IsOneWay() {
-			if h := p.handlers[env.Type]; h != nil {
-				h(peer, body)
-			}
-			continue
-		}
-		p.deliver(env.Corr, peer, reply{env: env, body: body})
 	}
+	h := p.handlers[env.Type]
+	if env.Type.IsOneWay() {
+		if h != nil {
+			h(from, body)
+		}
+		return
+	}
+	rt, rb := MsgError, []byte(fmt.Sprintf("no handler for %s", env.Type))
+	if h != nil {
+		rt, rb = h(from, body)
+	}
+	packed, flags := PackBody(rb)
+	out := [][]byte{EncodeEnvelope(Envelope{Type: rt, Flags: flags, Corr: env.Corr})}
+	if len(rb) > 0 {
+		out = append(out, packed)
+	}
+	if err := p.sendRaw(c.id, encodeMessage(out)); err != nil {
+		p.stats.sendFails.Add(1)
+		p.log.Debug("control: reply not sent", "peer", from, "type", rt, "err", err)
+	}
+}
+
+// handleReply hands a message that came on our connection to a peer to its
+// requester, or to the one-way handler.
+func (p *Plane) handleReply(c *conn, frames [][]byte) {
+	env, err := DecodeEnvelope(frames[0])
+	if err == nil && !env.Type.IsReply() && !env.Type.IsOneWay() {
+		err = fmt.Errorf("%w: %s is neither a reply nor one-way", ErrMalformed, env.Type)
+	}
+	if err != nil {
+		p.malformed("reply", c.name, err)
+		return
+	}
+	var body []byte
+	if len(frames) == 2 {
+		if body, err = UnpackBody(frames[1], env.Flags); err != nil {
+			p.malformed("reply", c.name, err)
+			return
+		}
+	}
+	if env.Type.IsOneWay() {
+		if h := p.handlers[env.Type]; h != nil {
+			h(c.name, body)
+		}
+		return
+	}
+	p.deliver(env.Corr, c.name, reply{env: env, body: body})
 }
 
 // deliver hands a reply from peer to the request waiting for it; a reply
@@ -536,5 +846,9 @@ func (p *Plane) deliver(corr uint64, peer string, r reply) {
 
 func (p *Plane) malformed(what, peer string, err error) {
 	p.stats.malformed.Add(1)
-	p.log.Warn("control: dropped malformed "+what, "peer", peer, "err", err)
+	if errors.Is(err, ErrOverBudget) {
+		p.warn.Warn("budget", "control: dropped "+what, "peer", peer, "err", err)
+		return
+	}
+	p.warn.Warn("malformed:"+peer, "control: dropped malformed "+what, "peer", peer, "err", err)
 }
