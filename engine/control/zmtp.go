@@ -89,6 +89,12 @@ func encodeMessage(frames [][]byte) []byte {
 	return b
 }
 
+// smallFrame is the largest frame kept without asking the plane's budget:
+// envelopes and most bodies are far smaller, so a peer that spent the budget
+// on large messages cannot starve the others' requests, and one message in
+// progress per connection keeps these to 64 KiB per connection.
+const smallFrame = 64 << 10
+
 // zmtpLimits bound what a zmtpReader keeps of one message.
 type zmtpLimits struct {
 	maxFrames int    // frames of one message; more make it malformed
@@ -260,10 +266,12 @@ func (r *zmtpReader) startFrame() error {
 		r.bad = fmt.Errorf("%w: more than %d frames", ErrMalformed, r.lim.maxFrames)
 	case r.msgBytes > r.lim.maxBytes:
 		r.bad = fmt.Errorf("%w: message of more than %d bytes", ErrMalformed, r.lim.maxBytes)
-	case r.reserve != nil && !r.reserve(r.size):
+	case r.size > smallFrame && r.reserve != nil && !r.reserve(r.size):
 		r.bad = fmt.Errorf("%w: %d bytes past the control plane's buffer budget", ErrOverBudget, r.size)
 	default:
-		r.held += r.size
+		if r.size > smallFrame {
+			r.held += r.size
+		}
 		r.frame = make([]byte, 0, r.size)
 		return nil
 	}
