@@ -640,6 +640,7 @@ func (e *Engine) drainPaths(k tombKey) bool {
 // until it hears back.
 func (e *Engine) sendAck(owner string, ack control.AbortAck) {
 	_ = e.plane.SendIfConnected(owner, control.MsgAbortAck, ack.Encode())
+	e.stats.acksSent.Add(1)
 }
 
 // waitFinal waits until every task is final, the deadline passes or the

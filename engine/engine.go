@@ -116,6 +116,7 @@ type engineCounters struct {
 	tasksInFlight                                       atomic.Int64
 	abortsSafe, abortsNotSafe, abortAcks, acksUnmatched atomic.Uint64
 	abortResends, abortsReceived, controlDropped        atomic.Uint64
+	acksSent                                            atomic.Uint64
 	eventsDropped, notifications, tasksAborted          atomic.Uint64
 	stagingInUse, stagers                               atomic.Int64
 }
@@ -313,6 +314,7 @@ type Stats struct {
 	TombstonesEvict uint64 // owner tombstones forgotten (aged out or at the cap)
 	// Aborts, as initiator.
 	AbortsReceived      uint64 // ABORT messages received (duplicates too)
+	AbortAcksSent       uint64 // ABORT_ACKs handed to the control plane (dropped there when no connection to the owner exists)
 	TasksAborted        uint64 // tasks that ended ABORTED
 	InitiatorTombstones int    // request ids we know aborted by their owner
 	// GPU staging through host memory.
@@ -369,7 +371,7 @@ func (e *Engine) Stats() Stats {
 		AbortAcks: e.stats.abortAcks.Load(), AcksUnmatched: e.stats.acksUnmatched.Load(),
 		AbortResends: e.stats.abortResends.Load(), Tombstones: rs.Tombstones, Grants: rs.Grants,
 		RequestStates: e.reqs.Len(), TombstonesEvict: uint64(rs.Evicted),
-		AbortsReceived: e.stats.abortsReceived.Load(), TasksAborted: e.stats.tasksAborted.Load(),
+		AbortsReceived: e.stats.abortsReceived.Load(), AbortAcksSent: e.stats.acksSent.Load(), TasksAborted: e.stats.tasksAborted.Load(),
 		InitiatorTombstones: ntomb, EventsDropped: e.stats.eventsDropped.Load(),
 		Notifications: e.stats.notifications.Load(),
 		StagingInUse:  e.stats.stagingInUse.Load(), Stagers: e.stats.stagers.Load(),
