@@ -14,6 +14,7 @@ import (
 	"runtime"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -34,7 +35,7 @@ func kvfgo_engine_create(copts *C.kvf_engine_options, out *C.uintptr_t) (st C.in
 		return fail(fn, err)
 	}
 	if procs > 0 {
-		runtime.GOMAXPROCS(procs)
+		setMaxProcs(procs)
 	}
 	e, err := engine.New(opts)
 	if err != nil {
@@ -49,8 +50,8 @@ func kvfgo_engine_create(copts *C.kvf_engine_options, out *C.uintptr_t) (st C.in
 	return statusOK
 }
 
-// defaultTimeout is the engine's DefaultTimeout as engine.New settles it
-// (the engine does not report its options; see the report of issue 3).
+// defaultTimeout is the engine's DefaultTimeout as engine.New settles it:
+// the engine does not report its options.
 func defaultTimeout(o engine.Options) time.Duration {
 	d := o.DefaultTimeout
 	if !o.IgnoreEnv {
@@ -145,6 +146,21 @@ func engineOptions(copts *C.kvf_engine_options) (engine.Options, int, error) {
 		return o, 0, fmt.Errorf("%w: go_max_procs %d is negative", engine.ErrInvalidArg, int32(c.go_max_procs))
 	}
 	return o, int(c.go_max_procs), nil
+}
+
+// procsSet is the GOMAXPROCS an engine's go_max_procs last set; 0: none.
+var procsSet atomic.Int64
+
+// setMaxProcs applies an engine's go_max_procs. The Go runtime is one per
+// process, so the value is process-wide: when it changes a value another
+// engine set, the application is told, since that engine's threads change
+// too.
+func setMaxProcs(n int) {
+	if prev := procsSet.Swap(int64(n)); prev != 0 && prev != int64(n) {
+		slog.Warn("kvferry: go_max_procs is process-wide; this engine changes the value an earlier engine set",
+			"previous", prev, "now", n)
+	}
+	runtime.GOMAXPROCS(n)
 }
 
 //export kvfgo_engine_destroy
@@ -866,8 +882,9 @@ func kvfgo_transfer_sync(h C.uintptr_t, reqs *C.kvf_request, n C.size_t, timeout
 		}
 		for i, r := range res {
 			if !r.Status.Final() {
-				// engine.Transfer promises final tasks; see the report of
-				// issue 3 (a cancel racing Submit leaves a task PENDING).
+				// engine.Transfer promises final tasks; one that is not
+				// (a cancel racing Submit once left a task PENDING) is an
+				// engine bug, reported as such rather than as a result.
 				return failf(fn, errInternal, "task %d is %s after the transfer returned: engine bug (task not final)", i, r.Status)
 			}
 		}

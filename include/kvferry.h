@@ -188,7 +188,14 @@ typedef struct kvf_engine_options {
     int32_t heartbeat_misses;   /* missed pings before a peer is dead; 0: 5 */
     int32_t log_level;          /* KVF_LOG_*; logs go to stderr */
     int32_t go_max_procs;       /* > 0: set the Go scheduler's thread count
-                                   (GOMAXPROCS) for the whole process; 0: keep */
+                                   (GOMAXPROCS); 0: keep. It is PROCESS-WIDE,
+                                   not per engine: one Go runtime serves every
+                                   engine of the process, so the last engine
+                                   created with a value sets it for all (a
+                                   change of a value an earlier engine set is
+                                   logged as a warning). Set it on one engine,
+                                   or leave it 0 and set GOMAXPROCS in the
+                                   environment. */
     int32_t reserved;           /* must be 0 */
 } kvf_engine_options;
 

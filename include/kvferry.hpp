@@ -69,7 +69,7 @@ struct Options {
     int heartbeat_ms = 0;
     int heartbeat_misses = 0;
     int log_level = KVF_LOG_DEFAULT;
-    int go_max_procs = 0;
+    int go_max_procs = 0; // process-wide: see kvf_engine_options
     bool ignore_env = false;
 
     // The C struct; its strings point into this object.

@@ -1,7 +1,7 @@
 package main
 
 // --mode abort: abort latency (Abort called -> returned Safe) with WRITE
-// traffic in flight, the figure SAFETY.md's issue 4 asks of the note. The
+// traffic in flight, the figure SAFETY.md asks for. The
 // owner (decode) is the engine whose memory the initiator (prefill) writes;
 // it aborts request ids that are in flight and times each call. A same-run
 // baseline, an owner -> initiator Notify round trip, sits next to it so the

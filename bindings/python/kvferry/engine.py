@@ -674,7 +674,8 @@ class Engine:
     none), ``default_timeout_ms`` (30000), ``io_timeout_ms`` (30000),
     ``heartbeat_ms`` (1000), ``heartbeat_misses`` (5), ``log_level`` (int
     KVF_LOG_* or "debug"/"info"/"warn"/"error"/"off"), ``go_max_procs``
-    (GOMAXPROCS for the whole process; 0 keeps it).
+    (GOMAXPROCS, 0 keeps it; process-wide, not per engine: one Go runtime
+    serves every engine, so the last engine created with a value sets it).
 
     A context manager; :meth:`close` is idempotent, and an engine that is
     garbage collected unclosed is destroyed then. After close, every method
