@@ -1,12 +1,16 @@
-// Package control is the engine's control plane on ZMQ: each engine binds
-// one ROUTER socket whose "host:port" is its segment name, and talks to each
-// peer through one DEALER socket whose routing id is its own name. One
-// goroutine owns every socket; other goroutines hand it work through a queue
-// and wake it through an inproc socket, so there is no polling delay.
+// Package control is the engine's control plane: ZMTP 3.0 (ZeroMQ's wire
+// protocol) over one libzmq STREAM socket bound on the engine's segment name
+// ("host:port"), carrying both the connections peers open to us and ours to
+// them. The plane parses ZMTP itself (zmtp.go), so every message is bounded
+// in frames and bytes before it is buffered; libzmq DEALER and ROUTER
+// sockets remain valid peers. A peer is named by the identity in its READY,
+// as a ROUTER would name it. One goroutine owns every socket; other
+// goroutines hand it work through a queue and wake it through an inproc
+// socket, so there is no polling delay.
 //
 // Every message is an envelope frame, optionally followed by one body frame.
-// Both are validated and size-capped (ZMQ_MAXMSGSIZE) before anything is
-// allocated for them; a malformed message is logged, counted and dropped,
+// Both are validated and size-capped before anything is allocated for them;
+// a malformed message is counted and dropped (with rate-limited warnings),
 // and never stops the loop.
 package control
 
