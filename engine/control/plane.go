@@ -11,6 +11,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
@@ -526,6 +527,14 @@ func (p *Plane) run(o op) {
 		return
 	}
 	if err := p.sendRaw(c.id, msg); err != nil {
+		if zmq.AsErrno(err) == zmq.Errno(syscall.EHOSTUNREACH) {
+			// The connection went down and its notice is still on the
+			// way: libzmq redials it, so queue as for one not up yet.
+			// live stays as the notices left it: the next one says down.
+			p.resetReader(c)
+			c.queue = append(c.queue, msg)
+			return
+		}
 		p.failOp(o, fmt.Errorf("send: %w", err))
 	}
 }
