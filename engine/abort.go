@@ -427,9 +427,17 @@ func (e *Engine) needDrainedAcks() bool {
 	return false
 }
 
+// controlMalformed counts a malformed control message from a peer and logs
+// it, rate-limited per kind and peer.
 func (e *Engine) controlMalformed(what, from string, err error) {
 	e.stats.controlDropped.Add(1)
-	e.log.Warn("kvferry: dropped malformed "+what, "peer", from, "err", err)
+	e.peerWarn("malformed "+what, from, "kvferry: dropped malformed "+what, "peer", from, "err", err)
+}
+
+// peerWarn logs a warning a peer can cause, rate-limited per kind and peer
+// (see ratelog): a peer sending garbage must not fill the host's logs.
+func (e *Engine) peerWarn(kind, peer, msg string, args ...any) {
+	e.peerLog.Warn(kind+"\x00"+peer, msg, args...)
 }
 
 // ---- initiator side --------------------------------------------------------
@@ -627,7 +635,7 @@ func (e *Engine) drainPaths(k tombKey) bool {
 	ok := true
 	for _, d := range drainers {
 		if err := d.Drain(ctx, k.rid); err != nil {
-			e.log.Warn("kvferry: drain failed; the ACK says cut", "owner", k.owner, "request", k.rid, "err", err)
+			e.peerWarn("drain", k.owner, "kvferry: drain failed; the ACK says cut", "owner", k.owner, "request", k.rid, "err", err)
 			ok = false
 		}
 	}

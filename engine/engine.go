@@ -32,6 +32,7 @@ import (
 	"github.com/kvferry/kvferry/engine/transport/local"
 	"github.com/kvferry/kvferry/engine/transport/rdma"
 	"github.com/kvferry/kvferry/engine/transport/tcp"
+	"github.com/kvferry/kvferry/internal/ratelog"
 )
 
 // Op is the direction of a request, seen from the initiator.
@@ -57,6 +58,9 @@ type Engine struct {
 	rdma  *rdma.Transport    // nil without RDMA devices or with Protocol "tcp"
 	desc  control.Descriptor // transports part; buffers are filled per request
 	epoch atomic.Uint64
+
+	// peerLog rate-limits the warnings a peer can cause.
+	peerLog *ratelog.Limiter
 
 	resolver Resolver
 
@@ -133,7 +137,7 @@ func New(opts Options) (*Engine, error) {
 	}
 	host := strings.TrimSuffix(strings.TrimPrefix(opts.Host, "["), "]")
 	e := &Engine{
-		opts: opts, log: opts.Logger, reg: memory.NewRegistry(),
+		opts: opts, log: opts.Logger, peerLog: ratelog.New(opts.Logger), reg: memory.NewRegistry(),
 		segments: map[string]*Segment{}, live: map[*Batch]struct{}{},
 		closed: make(chan struct{}), allocs: map[uint64][]byte{},
 		reqs:    requests.New(requests.Options{MaxTombstones: opts.MaxTombstones, TombstoneTTL: opts.TombstoneTTL}),
