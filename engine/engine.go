@@ -87,6 +87,10 @@ type Engine struct {
 	pendMu  sync.Mutex
 	pending map[abortKey]*pendingAbort
 
+	// Owner side of CANCELED: which initiators were admitted for which
+	// request ids lately.
+	admitted accessCache
+
 	// Initiator side: tombstones of requests owners aborted. abortMu is
 	// held shared by Submit from its tombstone check until its tasks are
 	// listed in their batch, and exclusively by an ABORT's handler.
@@ -121,6 +125,7 @@ type engineCounters struct {
 	abortsSafe, abortsNotSafe, abortAcks, acksUnmatched atomic.Uint64
 	abortResends, abortsReceived, controlDropped        atomic.Uint64
 	eventsDropped, notifications, tasksAborted          atomic.Uint64
+	canceledDropped                                     atomic.Uint64
 	stagingInUse, stagers                               atomic.Int64
 }
 
@@ -143,7 +148,7 @@ func New(opts Options) (*Engine, error) {
 		reqs:    requests.New(requests.Options{MaxTombstones: opts.MaxTombstones, TombstoneTTL: opts.TombstoneTTL}),
 		pending: map[abortKey]*pendingAbort{}, tombs: map[tombKey]*tombstone{}, tombQueues: map[string][]uint64{},
 		events: make(chan Event, opts.EventQueue), efd: -1,
-		fenced: map[string]map[abortKey]struct{}{}, protoSaid: map[string]string{},
+		fenced: map[string]map[abortKey]struct{}{}, protoSaid: map[string]string{}, admitted: newAccessCache(),
 	}
 	e.closeCtx, e.cancel = context.WithCancel(context.Background())
 	plane, err := control.Listen(host, opts.Port, e.log)
@@ -305,6 +310,9 @@ type Stats struct {
 	Grants          int    // live grants
 	RequestStates   int    // request ids with owner-side state
 	TombstonesEvict uint64 // owner tombstones forgotten (aged out or at the cap)
+	// CanceledDropped counts CANCELED messages dropped, not told as
+	// events: their sender was never admitted nor granted for the request.
+	CanceledDropped uint64
 	// Aborts, as initiator.
 	AbortsReceived      uint64 // ABORT messages received (duplicates too)
 	TasksAborted        uint64 // tasks that ended ABORTED
@@ -365,8 +373,8 @@ func (e *Engine) Stats() Stats {
 		RequestStates: e.reqs.Len(), TombstonesEvict: uint64(rs.Evicted),
 		AbortsReceived: e.stats.abortsReceived.Load(), TasksAborted: e.stats.tasksAborted.Load(),
 		InitiatorTombstones: ntomb, EventsDropped: e.stats.eventsDropped.Load(),
-		Notifications: e.stats.notifications.Load(),
-		StagingInUse:  e.stats.stagingInUse.Load(), Stagers: e.stats.stagers.Load(),
+		Notifications: e.stats.notifications.Load(), CanceledDropped: e.stats.canceledDropped.Load(),
+		StagingInUse: e.stats.stagingInUse.Load(), Stagers: e.stats.stagers.Load(),
 		BytesWritten: e.stats.bytesWritten.Load(), BytesRead: e.stats.bytesRead.Load(),
 		TasksCompleted: e.stats.tasksCompleted.Load(), TasksFailed: e.stats.tasksFailed.Load(),
 		TasksCanceled: e.stats.tasksCanceled.Load(), TasksInFlight: e.stats.tasksInFlight.Load(),

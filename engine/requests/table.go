@@ -435,6 +435,21 @@ func (t *Table) dropGrantLocked(g *Grant) {
 	}
 }
 
+// Granted reports whether initiator holds a live grant for rid.
+func (t *Table) Granted(initiator string, rid uint64) bool {
+	sh := t.shard(rid)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if st := sh.m[rid]; st != nil {
+		for _, g := range st.grants {
+			if g.Initiator == initiator {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // GrantOf returns the live grant id.
 func (t *Table) GrantOf(id uint64) (Grant, bool) {
 	t.grantMu.Lock()
