@@ -93,10 +93,19 @@ type Engine struct {
 
 	// Initiator side: tombstones of requests owners aborted. abortMu is
 	// held shared by Submit from its tombstone check until its tasks are
-	// listed in their batch, and exclusively by an ABORT's handler.
-	abortMu    sync.RWMutex
-	tombs      map[tombKey]*tombstone
-	tombQueues map[string][]uint64 // per owner, its tombstones' request ids, oldest first
+	// listed in their batch and the task index, and exclusively by an
+	// ABORT's handler.
+	abortMu       sync.RWMutex
+	tombs         map[tombKey]*tombstone
+	tombQueues    map[string][]uint64 // per owner, its tombstones' request ids, oldest first
+	maxTombOwners int                 // MaxTombstoneOwners; tests lower it
+	tasks         taskIndex           // tasks in flight by request id
+
+	// The drain pool: aborted requests' drains, run by at most
+	// maxDrainers goroutines.
+	drainMu  sync.Mutex
+	drainQ   []drainJob
+	drainers int
 
 	// Owner side of the rdma fence: aborts per initiator whose QPs were
 	// fenced and that initiator has not acknowledged; it may not connect
@@ -125,7 +134,7 @@ type engineCounters struct {
 	abortsSafe, abortsNotSafe, abortAcks, acksUnmatched atomic.Uint64
 	abortResends, abortsReceived, controlDropped        atomic.Uint64
 	eventsDropped, notifications, tasksAborted          atomic.Uint64
-	canceledDropped                                     atomic.Uint64
+	abortsDropped, canceledDropped, tombOwnersForgotten atomic.Uint64
 	stagingInUse, stagers                               atomic.Int64
 }
 
@@ -147,7 +156,7 @@ func New(opts Options) (*Engine, error) {
 		closed: make(chan struct{}), allocs: map[uint64][]byte{},
 		reqs:    requests.New(requests.Options{MaxTombstones: opts.MaxTombstones, TombstoneTTL: opts.TombstoneTTL}),
 		pending: map[abortKey]*pendingAbort{}, tombs: map[tombKey]*tombstone{}, tombQueues: map[string][]uint64{},
-		events: make(chan Event, opts.EventQueue), efd: -1,
+		events: make(chan Event, opts.EventQueue), efd: -1, maxTombOwners: MaxTombstoneOwners,
 		fenced: map[string]map[abortKey]struct{}{}, protoSaid: map[string]string{}, admitted: newAccessCache(),
 	}
 	e.closeCtx, e.cancel = context.WithCancel(context.Background())
@@ -317,6 +326,14 @@ type Stats struct {
 	AbortsReceived      uint64 // ABORT messages received (duplicates too)
 	TasksAborted        uint64 // tasks that ended ABORTED
 	InitiatorTombstones int    // request ids we know aborted by their owner
+	TombstoneOwners     int    // owners we hold tombstones of (at most MaxTombstoneOwners)
+	// AbortsDropped counts ABORTs dropped unanswered for want of room (the
+	// drain backlog full, or every owner slot busy draining); the owner
+	// resends them.
+	AbortsDropped uint64
+	// TombstoneOwnersForgotten counts owners whose settled tombstones were
+	// forgotten to make room for a new owner.
+	TombstoneOwnersForgotten uint64
 	// GPU staging through host memory.
 	StagingInUse int64 // staging buffers taken and not yet given back
 	Stagers      int64 // goroutines staging slices right now
@@ -351,7 +368,7 @@ func (e *Engine) Stats() Stats {
 	e.segMu.Unlock()
 	rs := e.reqs.Stats()
 	e.abortMu.RLock()
-	ntomb := len(e.tombs)
+	ntomb, nowners := len(e.tombs), len(e.tombQueues)
 	e.abortMu.RUnlock()
 	var rs2 rdma.Stats
 	nics := 0
@@ -372,7 +389,8 @@ func (e *Engine) Stats() Stats {
 		AbortResends: e.stats.abortResends.Load(), Tombstones: rs.Tombstones, Grants: rs.Grants,
 		RequestStates: e.reqs.Len(), TombstonesEvict: uint64(rs.Evicted),
 		AbortsReceived: e.stats.abortsReceived.Load(), TasksAborted: e.stats.tasksAborted.Load(),
-		InitiatorTombstones: ntomb, EventsDropped: e.stats.eventsDropped.Load(),
+		InitiatorTombstones: ntomb, TombstoneOwners: nowners, EventsDropped: e.stats.eventsDropped.Load(),
+		AbortsDropped: e.stats.abortsDropped.Load(), TombstoneOwnersForgotten: e.stats.tombOwnersForgotten.Load(),
 		Notifications: e.stats.notifications.Load(), CanceledDropped: e.stats.canceledDropped.Load(),
 		StagingInUse: e.stats.stagingInUse.Load(), Stagers: e.stats.stagers.Load(),
 		BytesWritten: e.stats.bytesWritten.Load(), BytesRead: e.stats.bytesRead.Load(),
