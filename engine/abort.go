@@ -427,9 +427,17 @@ func (e *Engine) needDrainedAcks() bool {
 	return false
 }
 
+// controlMalformed counts a malformed control message from a peer and logs
+// it, rate-limited per kind and peer.
 func (e *Engine) controlMalformed(what, from string, err error) {
 	e.stats.controlDropped.Add(1)
-	e.log.Warn("kvferry: dropped malformed "+what, "peer", from, "err", err)
+	e.peerWarn("malformed "+what, from, "kvferry: dropped malformed "+what, "peer", from, "err", err)
+}
+
+// peerWarn logs a warning a peer can cause, rate-limited per kind and peer
+// (see ratelog): a peer sending garbage must not fill the host's logs.
+func (e *Engine) peerWarn(kind, peer, msg string, args ...any) {
+	e.peerLog.Warn(kind+"\x00"+peer, msg, args...)
 }
 
 // ---- initiator side --------------------------------------------------------
@@ -453,8 +461,13 @@ type tombstone struct {
 
 // handleAbort takes an owner's ABORT (on the plane's loop, so it must not
 // block): it records the tombstone, so a submit from now on ends ABORTED,
-// and drains the request's transfers to that owner in a goroutine, which
-// answers with ABORT_ACK.
+// finds the request's tasks to that owner in the task index, and hands
+// their drain to the drain pool, which answers with ABORT_ACK. An ABORT
+// with nothing to drain (no task of the request, no path to the owner that
+// may hold its work: one from an owner we never opened, say) is answered
+// here at once. An ABORT for which there is no room (the drain backlog, or
+// every owner slot busy draining) is dropped unanswered and counted: the
+// owner resends it, and its safety never rests on our answer alone.
 func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte) {
 	m, err := control.DecodeAbortMsg(body)
 	if err == nil && m.Generation == 0 {
@@ -489,46 +502,118 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 		}
 		return 0, nil
 	}
-	if tb == nil {
-		tb = e.newTombLocked(k)
-	}
-	tb.minGen, tb.at, tb.drained, tb.owed = m.Generation, time.Now(), false, true
-	tasks := e.tasksOfLocked(from, m.RequestID, m.Generation)
+	tasks, settled, ok := e.beginAbortLocked(k, m.Generation, true)
 	e.abortMu.Unlock()
-
+	if !ok {
+		e.stats.abortsDropped.Add(1)
+		e.peerWarn("abort-dropped", from, "kvferry: ABORT dropped unanswered for want of room; the owner resends it",
+			"peer", from, "request", m.RequestID, "generation", m.Generation)
+		return 0, nil
+	}
+	// The tasks stop now, whenever a drainer gets to wait for them: this
+	// marks them and drops their queued slices, without waiting.
+	for _, t := range tasks {
+		t.abort()
+	}
 	e.emit(Event{Kind: EventAborted, Peer: from, RequestID: m.RequestID, Generation: m.Generation})
-	if e.startBackground() {
-		go e.drain(k, m.Generation, tasks)
+	if settled && !e.opts.Testing.UnsafeAbort {
+		e.sendAck(from, control.AbortAck{RequestID: m.RequestID, Generation: m.Generation, Outcome: control.AckDrained})
 	}
 	return 0, nil
 }
 
-// tasksOfLocked returns the tasks in flight of request rid to owner below
-// generation gen. Called with abortMu held, which Submit holds (shared)
-// from its tombstone check until its tasks are listed in their batch: a
-// task is either found here or sees the tombstone.
-func (e *Engine) tasksOfLocked(owner string, rid uint64, gen uint32) []*task {
-	e.liveMu.Lock()
-	batches := make([]*Batch, 0, len(e.live))
-	for b := range e.live {
-		batches = append(batches, b)
+// Bounds of the drain pool: at most maxDrainers goroutines drain aborted
+// requests, and at most maxDrainBacklog drains wait for one. A drain is
+// short unless a slice of the request hangs (AbortDrainTimeout, twice at
+// most); an ABORT with nothing to drain never reaches the pool.
+const (
+	maxDrainers     = 64
+	maxDrainBacklog = 1 << 14
+)
+
+// drainJob is one aborted request's drain, waiting for the pool.
+type drainJob struct {
+	k     tombKey
+	gen   uint32
+	tasks []*task
+}
+
+// beginAbortLocked records that k's owner aborted its request below gen and
+// returns the request's tasks in flight to that owner; their drain goes to
+// the pool, or, when there is nothing to drain, the tombstone is settled at
+// once (settled: the caller answers an owed ABORT itself). owed says whether
+// an ABORT asked (else the abort was learned from a refusal). ok is false
+// when there is no room: nothing was recorded. Called with abortMu held,
+// which Submit holds (shared) from its tombstone check until its tasks are
+// in the task index: a task is either found here or sees the tombstone.
+func (e *Engine) beginAbortLocked(k tombKey, gen uint32, owed bool) (tasks []*task, settled, ok bool) {
+	tasks = e.tasks.lookup(k.owner, k.rid, gen)
+	segs := e.segmentsKnownAs(k.owner)
+	quick := false
+	if len(tasks) == 0 {
+		drainers, uncertain := e.pathsToDrain(k, segs)
+		quick = len(drainers) == 0 && !uncertain
 	}
-	e.liveMu.Unlock()
-	var out []*task
-	for _, b := range batches {
-		b.mu.Lock()
-		for _, t := range b.tasks {
-			if t.req.RequestID == rid && t.req.Generation < gen && t.req.Segment.knownAs(owner) &&
-				!TaskStatus(t.status.Load()).Final() {
-				out = append(out, t)
-			}
+	if !quick {
+		e.drainMu.Lock()
+		full := len(e.drainQ) >= maxDrainBacklog
+		e.drainMu.Unlock()
+		if full {
+			return nil, false, false
 		}
-		if len(out) > 0 {
-			b.tainted.Store(true) // records stay out of the pool while we hold them
-		}
-		b.mu.Unlock()
 	}
-	return out
+	tb := e.tombs[k]
+	if tb == nil {
+		if tb = e.newTomb(k, len(segs) > 0); tb == nil {
+			return nil, false, false
+		}
+	}
+	tb.minGen, tb.at, tb.drained, tb.owed = gen, time.Now(), false, owed
+	if quick {
+		tb.drained, tb.outcome, tb.landed, tb.owed = true, control.AckDrained, 0, false
+		return nil, true, true
+	}
+	// Room was checked above, and only holders of abortMu add drains.
+	e.queueDrainLocked(drainJob{k: k, gen: gen, tasks: tasks})
+	return tasks, false, true
+}
+
+// queueDrainLocked hands a drain to the pool, starting a drainer when fewer
+// than maxDrainers run. Called with abortMu held.
+func (e *Engine) queueDrainLocked(j drainJob) {
+	e.drainMu.Lock()
+	defer e.drainMu.Unlock()
+	e.drainQ = append(e.drainQ, j)
+	if e.drainers < maxDrainers && e.startBackground() {
+		e.drainers++
+		go e.drainer()
+	}
+}
+
+// drainer runs drains from the pool's queue until it is empty, or until
+// the engine closes (Close ended every task; no ACK is owed any more).
+func (e *Engine) drainer() {
+	defer e.bg.Done()
+	for {
+		e.drainMu.Lock()
+		select {
+		case <-e.closed:
+			clear(e.drainQ)
+			e.drainQ = e.drainQ[:0]
+		default:
+		}
+		if len(e.drainQ) == 0 {
+			e.drainQ = nil // let a long backlog's array go
+			e.drainers--
+			e.drainMu.Unlock()
+			return
+		}
+		j := e.drainQ[0]
+		e.drainQ[0] = drainJob{}
+		e.drainQ = e.drainQ[1:]
+		e.drainMu.Unlock()
+		e.drain(j.k, j.gen, j.tasks)
+	}
 }
 
 // drain stops the tasks of an aborted request: queued slices are dropped,
@@ -538,7 +623,6 @@ func (e *Engine) tasksOfLocked(owner string, rid uint64, gen uint32) []*task {
 // heard while draining (the owner needs one; each extra would only be
 // counted unmatched there). Duplicates heard later get one each.
 func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
-	defer e.bg.Done()
 	for _, t := range tasks {
 		t.abort()
 	}
@@ -576,37 +660,37 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 	}
 }
 
-// drainPaths asks every path to the owner that may still move bytes of
-// ended slices (a transport.Drainer: rdma) to finish or flush the request's
-// work; it reports whether all did. Paths of tcp and local have nothing to
-// drain once their slices ended.
-func (e *Engine) drainPaths(k tombKey) bool {
-	// Segments by the owner's own name: one opened under an alias (a
-	// custom Resolver) is found too, and its paths know the owner by the
-	// alias.
+// segmentsKnownAs returns the open segments a message from peer may come
+// from (see Segment.knownAs): one opened under an alias (a custom
+// Resolver) is found too.
+func (e *Engine) segmentsKnownAs(peer string) []*Segment {
 	e.segMu.Lock()
-	segs := make([]*Segment, 0, 1)
+	defer e.segMu.Unlock()
+	var segs []*Segment
 	for _, seg := range e.segments {
-		if seg.knownAs(k.owner) {
+		if seg.knownAs(peer) {
 			segs = append(segs, seg)
 		}
 	}
-	e.segMu.Unlock()
+	return segs
+}
+
+// pathsToDrain returns the paths to the owner, among segs, that may still
+// move bytes of ended slices (a transport.Drainer: rdma), and reports
+// whether some path, perhaps one replaced or closed since, lost work of the
+// request without the owner's answer: it may still land. Paths of tcp and
+// local have nothing to drain once their slices ended. It never blocks.
+func (e *Engine) pathsToDrain(k tombKey, segs []*Segment) (drainers []transport.Drainer, uncertain bool) {
 	if e.rdma != nil {
-		names := []string{k.owner}
-		for _, seg := range segs {
-			names = append(names, seg.name)
+		if e.rdma.Uncertain(k.owner, k.rid) {
+			return nil, true
 		}
-		for _, n := range names {
-			if e.rdma.Uncertain(n, k.rid) {
-				// Some path, perhaps one replaced or closed since, lost
-				// work of the request without the owner's answer: it
-				// may still land.
-				return false
+		for _, seg := range segs {
+			if e.rdma.Uncertain(seg.name, k.rid) {
+				return nil, true
 			}
 		}
 	}
-	var drainers []transport.Drainer
 	for _, seg := range segs {
 		seg.mu.Lock()
 		for _, ref := range seg.paths {
@@ -619,6 +703,17 @@ func (e *Engine) drainPaths(k tombKey) bool {
 		}
 		seg.mu.Unlock()
 	}
+	return drainers, false
+}
+
+// drainPaths asks every path to the owner that may still move bytes of
+// ended slices to finish or flush the request's work; it reports whether
+// all did.
+func (e *Engine) drainPaths(k tombKey) bool {
+	drainers, uncertain := e.pathsToDrain(k, e.segmentsKnownAs(k.owner))
+	if uncertain {
+		return false
+	}
 	if len(drainers) == 0 {
 		return true
 	}
@@ -627,7 +722,7 @@ func (e *Engine) drainPaths(k tombKey) bool {
 	ok := true
 	for _, d := range drainers {
 		if err := d.Drain(ctx, k.rid); err != nil {
-			e.log.Warn("kvferry: drain failed; the ACK says cut", "owner", k.owner, "request", k.rid, "err", err)
+			e.peerWarn("drain", k.owner, "kvferry: drain failed; the ACK says cut", "owner", k.owner, "request", k.rid, "err", err)
 			ok = false
 		}
 	}
@@ -701,7 +796,11 @@ func (t *task) collectPaths(cut map[*pathRef]struct{}) {
 
 // learnAbort records an abort learned from an owner's refusal (its ABORT
 // may have been lost, or sent while we were paused) and tells the
-// application, once per request and generation.
+// application, once per request and generation. The request's other
+// transfers stop as on an ABORT, so that an ABORT arriving now is answered
+// only once they ended; nothing is owed yet: the owner did not ask. Without
+// room it records nothing: the owner refuses the request's transfers all
+// the same.
 func (e *Engine) learnAbort(owner string, rid uint64, refusedGen uint32) {
 	if rid == 0 {
 		return
@@ -709,39 +808,60 @@ func (e *Engine) learnAbort(owner string, rid uint64, refusedGen uint32) {
 	k := tombKey{owner, rid}
 	gen := refusedGen + 1
 	e.abortMu.Lock()
-	tb := e.tombs[k]
-	if tb != nil && tb.minGen >= gen {
+	if tb := e.tombs[k]; tb != nil && tb.minGen >= gen {
 		e.abortMu.Unlock()
 		return
 	}
-	if tb == nil {
-		tb = e.newTombLocked(k)
-	}
-	// The request's other transfers stop as on an ABORT, so that an ABORT
-	// arriving now is answered only once they ended; nothing is owed yet:
-	// the owner did not ask.
-	tb.minGen, tb.at, tb.drained, tb.owed = gen, time.Now(), false, false
-	tasks := e.tasksOfLocked(owner, rid, gen)
+	// The drainer stops the other tasks: this runs inside a slice's
+	// completion, which must not stop others itself.
+	_, _, ok := e.beginAbortLocked(k, gen, false)
 	e.abortMu.Unlock()
-	e.emit(Event{Kind: EventAborted, Peer: owner, RequestID: rid, Generation: gen})
-	if e.startBackground() {
-		go e.drain(k, gen, tasks)
+	if ok {
+		e.emit(Event{Kind: EventAborted, Peer: owner, RequestID: rid, Generation: gen})
 	}
 }
 
-// newTombLocked adds an initiator tombstone, first forgetting the oldest
-// of the same owner past MaxTombstones (a cap per owner, so that one peer's
-// ABORTs never push out another owner's tombstones). A tombstone whose drain
-// has not finished, or whose ACK is still owed, is never forgotten: the
-// owner may be waiting on it, and a submit would otherwise slip past an
-// abort in progress. Those end within AbortDrainTimeout twice, so an owner
-// is over its cap only briefly. Called with abortMu held.
-func (e *Engine) newTombLocked(k tombKey) *tombstone {
-	q := e.tombQueues[k.owner]
-	for len(q) >= e.opts.MaxTombstones {
+// MaxTombstoneOwners caps the owners an initiator remembers tombstones
+// of. Owners are named by the peers themselves (a control message's
+// sender), so without a cap ABORTs from made-up names would each leave a
+// tombstone queue for ever. Past the cap the owners whose every tombstone
+// is settled (drained and answered) are forgotten, down to 7/8 of it:
+// first those no open segment is known as, then the others, least recently
+// aborting first. An ABORT from a new owner when none can go is dropped
+// unanswered (the owner resends it).
+const MaxTombstoneOwners = 1024
+
+// unknownOwnerTombstones caps the tombstones kept per owner that no open
+// segment is known as (MaxTombstones caps them too): nothing of ours can be
+// in flight to such an owner, so its tombstones only matter to a segment
+// opened later, and made-up owners must not each hold MaxTombstones.
+const unknownOwnerTombstones = 64
+
+// newTomb adds an initiator tombstone, first forgetting the oldest of the
+// same owner past its cap (MaxTombstones, unknownOwnerTombstones for an
+// owner that no open segment is known as: a cap per owner, so that one
+// peer's ABORTs never push out another owner's tombstones). A tombstone
+// whose drain has not finished, or whose ACK is still owed, is never
+// forgotten: the owner may be waiting on it, and a submit would otherwise
+// slip past an abort in progress. Those end within AbortDrainTimeout twice
+// and are at most as many as the drain pool holds, so an owner is over its
+// cap only briefly. It returns nil when the owner is new and no other may
+// go to make room for it (MaxTombstoneOwners). Called with abortMu held.
+func (e *Engine) newTomb(k tombKey, known bool) *tombstone {
+	q, seen := e.tombQueues[k.owner]
+	if !seen && len(e.tombQueues) >= e.maxTombOwners {
+		e.forgetOwnersLocked()
+		if len(e.tombQueues) >= e.maxTombOwners {
+			return nil
+		}
+	}
+	limit := e.opts.MaxTombstones
+	if !known {
+		limit = min(limit, unknownOwnerTombstones)
+	}
+	for len(q) >= limit {
 		i := slices.IndexFunc(q, func(rid uint64) bool {
-			tb := e.tombs[tombKey{k.owner, rid}]
-			return tb == nil || (tb.drained && !tb.owed)
+			return e.tombs[tombKey{k.owner, rid}].settled()
 		})
 		if i < 0 {
 			break
@@ -753,6 +873,71 @@ func (e *Engine) newTombLocked(k tombKey) *tombstone {
 	e.tombs[k] = tb
 	e.tombQueues[k.owner] = append(q, k.rid)
 	return tb
+}
+
+// newTombLocked adds an initiator tombstone (see newTomb), k's owner known
+// as an open segment or not. Called with abortMu held.
+func (e *Engine) newTombLocked(k tombKey) *tombstone {
+	return e.newTomb(k, len(e.segmentsKnownAs(k.owner)) > 0)
+}
+
+// settled reports whether the tombstone may be forgotten: its drain
+// finished and its ACK is not owed (a nil one is gone already).
+func (tb *tombstone) settled() bool { return tb == nil || (tb.drained && !tb.owed) }
+
+// forgetOwnersLocked forgets every tombstone of owners whose tombstones are
+// all settled, down to 7/8 of MaxTombstoneOwners, so that the walk is paid
+// once per many new owners: first owners no open segment is known as (at
+// most unknownOwnerTombstones each, so a flood of made-up names costs
+// little), and only when that is not enough the others; least recently
+// aborting first. Called with abortMu held.
+func (e *Engine) forgetOwnersLocked() {
+	known := map[string]bool{}
+	e.segMu.Lock()
+	for _, seg := range e.segments {
+		known[seg.name] = true
+		known[seg.id()] = true
+	}
+	e.segMu.Unlock()
+	target := e.maxTombOwners * 7 / 8
+	for _, pass := range []bool{false, true} {
+		type cand struct {
+			owner string
+			last  time.Time
+		}
+		var cands []cand
+		for owner, q := range e.tombQueues {
+			if known[owner] != pass {
+				continue
+			}
+			var last time.Time
+			ok := true
+			for _, rid := range q {
+				tb := e.tombs[tombKey{owner, rid}]
+				if !tb.settled() {
+					ok = false
+					break
+				}
+				if tb != nil && tb.at.After(last) {
+					last = tb.at
+				}
+			}
+			if ok {
+				cands = append(cands, cand{owner, last})
+			}
+		}
+		slices.SortFunc(cands, func(a, b cand) int { return a.last.Compare(b.last) })
+		for _, c := range cands {
+			if len(e.tombQueues) <= target {
+				return
+			}
+			for _, rid := range e.tombQueues[c.owner] {
+				delete(e.tombs, tombKey{c.owner, rid})
+			}
+			delete(e.tombQueues, c.owner)
+			e.stats.tombOwnersForgotten.Add(1)
+		}
+	}
 }
 
 // sweepTombs forgets initiator tombstones older than TombstoneTTL whose

@@ -134,6 +134,10 @@ type task struct {
 	errMu       sync.Mutex
 	err         error
 	slices      []sliceT
+
+	// The engine's task index (taskIndex), under its shard's lock.
+	idxPrev, idxNext *task
+	indexed          bool
 }
 
 // sliceT is the engine's view of one slice.
@@ -199,8 +203,9 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	if err != nil {
 		return err // the slab is left to the GC: plan may have failed mid-way
 	}
-	// Between the tombstone check and listing the tasks in the batch an
-	// ABORT's handler must not run: it would miss them (see handleAbort).
+	// Between the tombstone check and listing the tasks in the batch and
+	// the task index an ABORT's handler must not run: it would miss them
+	// (see handleAbort).
 	var aborted []*task
 	anyRID := slices.ContainsFunc(tasks, func(t *task) bool { return t.req.RequestID != 0 })
 	if anyRID {
@@ -231,6 +236,13 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 		b.idle, b.idleClosed = make(chan struct{}), false
 	}
 	b.running.Add(int64(len(tasks)))
+	if anyRID {
+		// Listed before a cancel can find them in the batch (a cancel
+		// would end them, and unlist them, first), and before abortMu is
+		// let go: an ABORT's handler finds them here, or they saw its
+		// tombstone above.
+		e.tasks.add(tasks)
+	}
 	if len(b.tasks) == 0 {
 		b.tasks = tasks[:len(tasks):len(tasks)] // a later append copies
 	} else {
@@ -537,6 +549,9 @@ func (t *task) finish() {
 		e.stats.tasksFailed.Add(1)
 	}
 	t.status.Store(int32(st))
+	// Unlisted once final, and before the batch can count it out: a freed
+	// batch's records may be reused.
+	e.tasks.remove(t)
 	e.stats.tasksInFlight.Add(-1)
 	if b := t.b; b.running.Add(-1) == 0 {
 		b.mu.Lock()

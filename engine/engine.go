@@ -32,6 +32,7 @@ import (
 	"github.com/kvferry/kvferry/engine/transport/local"
 	"github.com/kvferry/kvferry/engine/transport/rdma"
 	"github.com/kvferry/kvferry/engine/transport/tcp"
+	"github.com/kvferry/kvferry/internal/ratelog"
 )
 
 // Op is the direction of a request, seen from the initiator.
@@ -58,6 +59,9 @@ type Engine struct {
 	desc  control.Descriptor // transports part; buffers are filled per request
 	epoch atomic.Uint64
 
+	// peerLog rate-limits the warnings a peer can cause.
+	peerLog *ratelog.Limiter
+
 	resolver Resolver
 
 	segMu    sync.Mutex
@@ -83,12 +87,25 @@ type Engine struct {
 	pendMu  sync.Mutex
 	pending map[abortKey]*pendingAbort
 
+	// Owner side of CANCELED: which initiators were admitted for which
+	// request ids lately.
+	admitted accessCache
+
 	// Initiator side: tombstones of requests owners aborted. abortMu is
 	// held shared by Submit from its tombstone check until its tasks are
-	// listed in their batch, and exclusively by an ABORT's handler.
-	abortMu    sync.RWMutex
-	tombs      map[tombKey]*tombstone
-	tombQueues map[string][]uint64 // per owner, its tombstones' request ids, oldest first
+	// listed in their batch and the task index, and exclusively by an
+	// ABORT's handler.
+	abortMu       sync.RWMutex
+	tombs         map[tombKey]*tombstone
+	tombQueues    map[string][]uint64 // per owner, its tombstones' request ids, oldest first
+	maxTombOwners int                 // MaxTombstoneOwners; tests lower it
+	tasks         taskIndex           // tasks in flight by request id
+
+	// The drain pool: aborted requests' drains, run by at most
+	// maxDrainers goroutines.
+	drainMu  sync.Mutex
+	drainQ   []drainJob
+	drainers int
 
 	// Owner side of the rdma fence: aborts per initiator whose QPs were
 	// fenced and that initiator has not acknowledged; it may not connect
@@ -118,6 +135,7 @@ type engineCounters struct {
 	abortResends, abortsReceived, controlDropped        atomic.Uint64
 	acksSent                                            atomic.Uint64
 	eventsDropped, notifications, tasksAborted          atomic.Uint64
+	abortsDropped, canceledDropped, tombOwnersForgotten atomic.Uint64
 	stagingInUse, stagers                               atomic.Int64
 }
 
@@ -134,13 +152,13 @@ func New(opts Options) (*Engine, error) {
 	}
 	host := strings.TrimSuffix(strings.TrimPrefix(opts.Host, "["), "]")
 	e := &Engine{
-		opts: opts, log: opts.Logger, reg: memory.NewRegistry(),
+		opts: opts, log: opts.Logger, peerLog: ratelog.New(opts.Logger), reg: memory.NewRegistry(),
 		segments: map[string]*Segment{}, live: map[*Batch]struct{}{},
 		closed: make(chan struct{}), allocs: map[uint64][]byte{},
 		reqs:    requests.New(requests.Options{MaxTombstones: opts.MaxTombstones, TombstoneTTL: opts.TombstoneTTL}),
 		pending: map[abortKey]*pendingAbort{}, tombs: map[tombKey]*tombstone{}, tombQueues: map[string][]uint64{},
-		events: make(chan Event, opts.EventQueue), efd: -1,
-		fenced: map[string]map[abortKey]struct{}{}, protoSaid: map[string]string{},
+		events: make(chan Event, opts.EventQueue), efd: -1, maxTombOwners: MaxTombstoneOwners,
+		fenced: map[string]map[abortKey]struct{}{}, protoSaid: map[string]string{}, admitted: newAccessCache(),
 	}
 	e.closeCtx, e.cancel = context.WithCancel(context.Background())
 	plane, err := control.ListenWith(host, opts.Port, control.Options{
@@ -312,11 +330,22 @@ type Stats struct {
 	Grants          int    // live grants
 	RequestStates   int    // request ids with owner-side state
 	TombstonesEvict uint64 // owner tombstones forgotten (aged out or at the cap)
+	// CanceledDropped counts CANCELED messages dropped, not told as
+	// events: their sender was never admitted nor granted for the request.
+	CanceledDropped uint64
 	// Aborts, as initiator.
 	AbortsReceived      uint64 // ABORT messages received (duplicates too)
 	AbortAcksSent       uint64 // ABORT_ACKs handed to the control plane (dropped there when no connection to the owner exists)
 	TasksAborted        uint64 // tasks that ended ABORTED
 	InitiatorTombstones int    // request ids we know aborted by their owner
+	TombstoneOwners     int    // owners we hold tombstones of (at most MaxTombstoneOwners)
+	// AbortsDropped counts ABORTs dropped unanswered for want of room (the
+	// drain backlog full, or every owner slot busy draining); the owner
+	// resends them.
+	AbortsDropped uint64
+	// TombstoneOwnersForgotten counts owners whose settled tombstones were
+	// forgotten to make room for a new owner.
+	TombstoneOwnersForgotten uint64
 	// GPU staging through host memory.
 	StagingInUse int64 // staging buffers taken and not yet given back
 	Stagers      int64 // goroutines staging slices right now
@@ -351,7 +380,7 @@ func (e *Engine) Stats() Stats {
 	e.segMu.Unlock()
 	rs := e.reqs.Stats()
 	e.abortMu.RLock()
-	ntomb := len(e.tombs)
+	ntomb, nowners := len(e.tombs), len(e.tombQueues)
 	e.abortMu.RUnlock()
 	var rs2 rdma.Stats
 	nics := 0
@@ -372,9 +401,10 @@ func (e *Engine) Stats() Stats {
 		AbortResends: e.stats.abortResends.Load(), Tombstones: rs.Tombstones, Grants: rs.Grants,
 		RequestStates: e.reqs.Len(), TombstonesEvict: uint64(rs.Evicted),
 		AbortsReceived: e.stats.abortsReceived.Load(), AbortAcksSent: e.stats.acksSent.Load(), TasksAborted: e.stats.tasksAborted.Load(),
-		InitiatorTombstones: ntomb, EventsDropped: e.stats.eventsDropped.Load(),
-		Notifications: e.stats.notifications.Load(),
-		StagingInUse:  e.stats.stagingInUse.Load(), Stagers: e.stats.stagers.Load(),
+		InitiatorTombstones: ntomb, TombstoneOwners: nowners, EventsDropped: e.stats.eventsDropped.Load(),
+		AbortsDropped: e.stats.abortsDropped.Load(), TombstoneOwnersForgotten: e.stats.tombOwnersForgotten.Load(),
+		Notifications: e.stats.notifications.Load(), CanceledDropped: e.stats.canceledDropped.Load(),
+		StagingInUse: e.stats.stagingInUse.Load(), Stagers: e.stats.stagers.Load(),
 		BytesWritten: e.stats.bytesWritten.Load(), BytesRead: e.stats.bytesRead.Load(),
 		TasksCompleted: e.stats.tasksCompleted.Load(), TasksFailed: e.stats.tasksFailed.Load(),
 		TasksCanceled: e.stats.tasksCanceled.Load(), TasksInFlight: e.stats.tasksInFlight.Load(),

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"slices"
 
 	"golang.org/x/sys/unix"
 
@@ -239,14 +240,45 @@ func (e *Engine) handleNotify(from string, body []byte) (control.MsgType, []byte
 
 // handleCanceled tells the application that an initiator gave up on a
 // request (on the plane's loop).
+//
+// Only a CANCELED the sender could mean becomes an event: for a generation
+// this engine issued for the request, from a peer that could have been
+// touching it here, that is one this engine admitted for the request lately
+// (accessCache), one holding a live grant of it, or one holding rkeys for it
+// (rdma). Any other is dropped and counted (Stats.CanceledDropped): the
+// sender never touched the request here, so there is nothing for the
+// application to learn, and any peer may send CANCELED, which would
+// otherwise fill the event queue and crowd out the events that matter.
+// Dropping one costs nothing in safety: CANCELED is best effort (SAFETY.md
+// promise 3), and the application reuses memory only after Abort or Fence.
+// An initiator that gave up before its first slice was admitted, without a
+// grant, is not heard: nothing of it reached this engine.
 func (e *Engine) handleCanceled(from string, body []byte) (control.MsgType, []byte) {
 	m, err := control.DecodeAbortMsg(body)
 	if err != nil {
 		e.controlMalformed("CANCELED", from, err)
 		return 0, nil
 	}
+	if !e.mayHaveTouched(from, m.RequestID, m.Generation) {
+		e.stats.canceledDropped.Add(1)
+		e.peerWarn("canceled", from, "kvferry: dropped CANCELED of a request the peer never touched here",
+			"peer", from, "request", m.RequestID, "generation", m.Generation)
+		return 0, nil
+	}
 	e.emit(Event{Kind: EventCanceled, Peer: from, RequestID: m.RequestID, Generation: m.Generation})
 	return 0, nil
+}
+
+// mayHaveTouched reports whether peer could have been touching request rid
+// at generation gen in this engine's memory (see handleCanceled).
+func (e *Engine) mayHaveTouched(peer string, rid uint64, gen uint32) bool {
+	if gen > e.reqs.Generation(rid) {
+		return false // a generation never issued
+	}
+	if e.admitted.seen(peer, rid) || e.reqs.Granted(peer, rid) {
+		return true
+	}
+	return slices.Contains(e.holders(rid), peer)
 }
 
 // tellCanceled tells each owner of the tasks that ended TIMEOUT or CANCELED

@@ -170,10 +170,15 @@ func (e *Engine) Admit(a transport.Access) (transport.Target, error) {
 		return transport.Target{}, err
 	}
 	var g transport.Guard = r
-	if a.RequestID != 0 && !e.opts.Testing.UnsafeAbort {
-		if g, err = e.reqs.Admit(&a, r); err != nil {
-			return transport.Target{}, err
+	if a.RequestID != 0 {
+		if !e.opts.Testing.UnsafeAbort {
+			if g, err = e.reqs.Admit(&a, r); err != nil {
+				return transport.Target{}, err
+			}
 		}
+		// A CANCELED from this initiator for this request is now
+		// believable (see handleCanceled).
+		e.admitted.note(a.Initiator, a.RequestID)
 	}
 	t := transport.Target{Guard: g, Mem: r.Bytes(a.Addr, a.Length)}
 	if a.Direct {

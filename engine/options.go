@@ -125,11 +125,13 @@ type Options struct {
 	// either way.
 	AbortDrainTimeout time.Duration
 	// MaxTombstones caps the aborted request ids remembered, on each side:
-	// as owner (accesses of them are refused) and as initiator, per owner
-	// (submits of them end ABORTED). Past the cap an owner forgets down to
-	// 7/8 of it, those acknowledged first, oldest first; an initiator
-	// forgets that owner's oldest whose drain finished and whose ACK was
-	// sent, never one still draining or owed. On rdma a submit of a
+	// as owner (accesses of them are refused; request ids whose grants were
+	// all revoked count too) and as initiator, per owner (submits of them
+	// end ABORTED; at most 64 per owner that no open segment is known as,
+	// and at most MaxTombstoneOwners owners). Past the cap an owner forgets
+	// down to 7/8 of it, those acknowledged first, oldest first; an
+	// initiator forgets that owner's oldest whose drain finished and whose
+	// ACK was sent, never one still draining or owed. On rdma a submit of a
 	// forgotten request id still ends ABORTED: the owner refuses its rkeys.
 	MaxTombstones int
 	// TombstoneTTL is how long an aborted request id is remembered. An

@@ -350,7 +350,9 @@ func (s *Segment) heartbeat(err error) {
 	if int(s.misses.Add(1)) < s.e.opts.HeartbeatMisses || !s.dead.CompareAndSwap(false, true) {
 		return
 	}
-	s.e.log.Warn("kvferry: peer declared dead", "segment", s.name, "misses", s.misses.Load(), "err", err)
+	// Rate-limited: a peer that keeps dropping out and coming back causes
+	// this line.
+	s.e.peerWarn("dead", s.name, "kvferry: peer declared dead", "segment", s.name, "misses", s.misses.Load(), "err", err)
 	s.cutPaths(fmt.Errorf("segment %s: %w", s.name, ErrPeerDead))
 }
 

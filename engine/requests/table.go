@@ -42,18 +42,38 @@ var (
 )
 
 // Options bound the table. Zero fields take the defaults.
+//
+// Every state the table keeps is bounded:
+//   - request ids remembered without a live grant (aborted ones, and ones
+//     whose grants were all revoked): MaxTombstones, plus those with a
+//     chunk in progress, which are never forgotten;
+//   - request ids with live grants: at most one per grant, MaxGrants;
+//   - request ids with chunks in progress and nothing else: one per chunk
+//     at most, forgotten when the last chunk leaves;
+//   - the age queue: one entry per remembered request id, however often
+//     it is aborted or revoked again;
+//   - channels Abort and Revoke wait on: one per request id, shared;
+//   - grant ranges: MaxGrantRanges per grant and MaxRanges in all.
 type Options struct {
-	// MaxTombstones caps the aborted request ids remembered (default
-	// 1<<16). Past it the oldest are forgotten even if an initiator has
-	// not acknowledged them (counted as forced evictions).
+	// MaxTombstones caps the request ids remembered without a live grant
+	// (default 1<<16): aborted ones (tombstones) and ones whose grants were
+	// all revoked. Past it the table forgets down to 7/8 of it, those
+	// acknowledged first (revoked ones count as acknowledged), oldest
+	// first, then the oldest not acknowledged (counted as forced
+	// evictions); never one with a chunk in progress, nor the one just
+	// aborted or revoked.
 	MaxTombstones int
 	// TombstoneTTL is how long an aborted request id is remembered after
-	// every initiator named acknowledged the abort (default 10 minutes).
-	// Tombstones not acknowledged are kept until MaxTombstones forces them
-	// out.
+	// every initiator named acknowledged the abort (default 10 minutes);
+	// likewise a request id whose grants were all revoked, from the last
+	// revoke. Tombstones not acknowledged are kept until MaxTombstones
+	// forces them out.
 	TombstoneTTL time.Duration
 	// MaxGrants caps the live grants (default 1<<18).
 	MaxGrants int
+	// MaxRanges caps the ranges of all live grants together (default
+	// 1<<20, 16 MiB of ranges).
+	MaxRanges int
 }
 
 // MaxGrantRanges caps the ranges of one grant.
@@ -89,21 +109,29 @@ func (g *Grant) covers(initiator string, addr, n uint64) bool {
 // state is one request id's state. A request id without state has
 // generation 0, no grants and no copy in progress.
 type state struct {
-	gen     uint32 // the current generation
-	minGen  uint32 // accesses below are refused
-	active  int32  // chunks entered and not left
-	waiters []chan struct{}
-	grants  []*Grant
+	rid    uint64
+	gen    uint32 // the current generation
+	minGen uint32 // accesses below are refused
+	active int32  // chunks entered and not left
+	// idle is closed once no chunk is in progress; nil while nobody
+	// waits. Every Abort and Revoke waiting at once shares it.
+	idle   chan struct{}
+	grants []*Grant
 
 	restricted bool // it has had grants: every access needs a live one
 	tomb       bool // it was aborted
 	acked      bool // every initiator named acknowledged the last abort
 	since      time.Time
+
+	// The age queue, under Table.queueMu; queued is also written under the
+	// shard's lock, so either lock reads it.
+	prev, next *state
+	queued     bool
 }
 
 // keep reports whether the state holds anything beyond defaults.
 func (s *state) keep() bool {
-	return s.tomb || s.restricted || s.active > 0 || len(s.waiters) > 0 || len(s.grants) > 0
+	return s.tomb || s.restricted || s.queued || s.active > 0 || s.idle != nil || len(s.grants) > 0
 }
 
 const nshards = 64
@@ -117,15 +145,10 @@ type shard struct {
 func (sh *shard) stateLocked(rid uint64) *state {
 	st := sh.m[rid]
 	if st == nil {
-		st = &state{}
+		st = &state{rid: rid}
 		sh.m[rid] = st
 	}
 	return st
-}
-
-type tombRef struct {
-	rid   uint64
-	since time.Time
 }
 
 // Table is the owner's request state. It is safe for concurrent use.
@@ -133,12 +156,17 @@ type Table struct {
 	opts   Options
 	shards [nshards]shard
 
+	// Lock order: queueMu, then grantMu, then a shard's lock.
 	grantMu sync.Mutex
 	grants  map[uint64]*Grant
+	ranges  int // ranges of the live grants
 	grantID atomic.Uint64
 
-	queueMu sync.Mutex
-	queue   []tombRef // aborted request ids, oldest first
+	// queueMu guards the age queue: the request ids remembered without a
+	// live grant, each linked once, oldest first (by since).
+	queueMu    sync.Mutex
+	head, tail *state
+	queued     int
 
 	tombs, evicted, forced atomic.Int64
 }
@@ -153,6 +181,9 @@ func New(opts Options) *Table {
 	}
 	if opts.MaxGrants <= 0 {
 		opts.MaxGrants = 1 << 18
+	}
+	if opts.MaxRanges <= 0 {
+		opts.MaxRanges = 1 << 20
 	}
 	t := &Table{opts: opts, grants: map[uint64]*Grant{}}
 	for i := range t.shards {
@@ -249,11 +280,11 @@ func (g *guard) Leave() {
 	st.active--
 	woke := false
 	if st.active == 0 {
-		for _, w := range st.waiters {
-			close(w)
+		if st.idle != nil {
+			close(st.idle)
+			st.idle = nil
 			woke = true
 		}
-		st.waiters = nil
 		if !st.keep() {
 			delete(sh.m, g.rid)
 		}
@@ -269,14 +300,16 @@ func (g *guard) Leave() {
 }
 
 // waitLocked returns a channel closed once no chunk of st is in progress,
-// or nil when none is now.
+// or nil when none is now. Callers waiting at once share the channel, so
+// repeated aborts of a request stuck mid-chunk add nothing.
 func (st *state) waitLocked() <-chan struct{} {
 	if st.active == 0 {
 		return nil
 	}
-	ch := make(chan struct{})
-	st.waiters = append(st.waiters, ch)
-	return ch
+	if st.idle == nil {
+		st.idle = make(chan struct{})
+	}
+	return st.idle
 }
 
 // Abort bumps the request's generation, refuses every access below it from
@@ -288,12 +321,14 @@ func (t *Table) Abort(rid uint64, acked bool) (uint32, <-chan struct{}, error) {
 	if rid == 0 {
 		return 0, nil, fmt.Errorf("abort: %w: request id 0", memory.ErrInvalidArg)
 	}
-	now := time.Now()
 	sh := t.shard(rid)
+	t.queueMu.Lock()
+	now := time.Now() // under queueMu: the queue stays sorted by since
 	sh.mu.Lock()
 	st := sh.stateLocked(rid)
 	if st.gen == math.MaxUint32 {
 		sh.mu.Unlock()
+		t.queueMu.Unlock()
 		return 0, nil, fmt.Errorf("abort request %d: %w: generations exhausted", rid, ErrFull)
 	}
 	st.gen++
@@ -303,26 +338,24 @@ func (t *Table) Abort(rid uint64, acked bool) (uint32, <-chan struct{}, error) {
 		g.revoked = true
 	}
 	st.grants = nil
-	newTomb := !st.tomb
+	if !st.tomb {
+		t.tombs.Add(1)
+	}
 	st.tomb, st.acked, st.since = true, acked, now
+	t.pushLocked(st)
 	gen, wait := st.gen, st.waitLocked()
 	sh.mu.Unlock()
+	if t.queued > t.opts.MaxTombstones {
+		t.trimLocked(st)
+	}
+	t.queueMu.Unlock()
 
 	if len(revoked) > 0 {
 		t.grantMu.Lock()
 		for _, g := range revoked {
-			delete(t.grants, g.ID)
+			t.dropGrantLocked(g)
 		}
 		t.grantMu.Unlock()
-	}
-	if newTomb {
-		t.tombs.Add(1)
-	}
-	t.queueMu.Lock()
-	t.queue = append(t.queue, tombRef{rid: rid, since: now})
-	t.queueMu.Unlock()
-	if t.tombs.Load() > int64(t.opts.MaxTombstones) {
-		t.trim()
 	}
 	return gen, wait, nil
 }
@@ -371,6 +404,11 @@ func (t *Table) Grant(initiator string, rid uint64, ranges []Range) (Grant, erro
 		t.grantMu.Unlock()
 		return Grant{}, fmt.Errorf("grant: %w: %d grants live", ErrFull, t.opts.MaxGrants)
 	}
+	if t.ranges+len(ranges) > t.opts.MaxRanges {
+		n := t.ranges
+		t.grantMu.Unlock()
+		return Grant{}, fmt.Errorf("grant: %w: %d ranges live, %d more would pass %d", ErrFull, n, len(ranges), t.opts.MaxRanges)
+	}
 	// The grant joins its request's state before Revoke can find it by id
 	// (lock order: grantMu, then the shard's).
 	sh := t.shard(rid)
@@ -382,9 +420,34 @@ func (t *Table) Grant(initiator string, rid uint64, ranges []Range) (Grant, erro
 	out := *g
 	sh.mu.Unlock()
 	t.grants[g.ID] = g
+	t.ranges += len(g.Ranges)
 	t.grantMu.Unlock()
 	out.Ranges = append([]Range(nil), g.Ranges...) // the caller's copy: editing it changes nothing enforced
 	return out, nil
+}
+
+// dropGrantLocked forgets a grant by id, once: Revoke and Abort may both
+// reach it. Called with grantMu held.
+func (t *Table) dropGrantLocked(g *Grant) {
+	if t.grants[g.ID] == g {
+		delete(t.grants, g.ID)
+		t.ranges -= len(g.Ranges)
+	}
+}
+
+// Granted reports whether initiator holds a live grant for rid.
+func (t *Table) Granted(initiator string, rid uint64) bool {
+	sh := t.shard(rid)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if st := sh.m[rid]; st != nil {
+		for _, g := range st.grants {
+			if g.Initiator == initiator {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // GrantOf returns the live grant id.
@@ -404,19 +467,23 @@ func (t *Table) GrantOf(id uint64) (Grant, bool) {
 func (t *Table) Revoke(id uint64) (<-chan struct{}, error) {
 	t.grantMu.Lock()
 	g := t.grants[id]
-	delete(t.grants, id)
+	if g != nil {
+		t.dropGrantLocked(g)
+	}
 	t.grantMu.Unlock()
 	if g == nil {
 		return nil, fmt.Errorf("revoke grant %d: %w", id, ErrUnknownGrant)
 	}
-	now := time.Now()
 	sh := t.shard(g.RequestID)
+	t.queueMu.Lock()
+	now := time.Now()
 	sh.mu.Lock()
 	st := sh.m[g.RequestID]
 	if st == nil || g.revoked {
 		// Not reachable while grants join their state first; never
 		// panic with the shard locked.
 		sh.mu.Unlock()
+		t.queueMu.Unlock()
 		return nil, fmt.Errorf("revoke grant %d: %w", id, ErrUnknownGrant)
 	}
 	g.revoked = true
@@ -428,20 +495,59 @@ func (t *Table) Revoke(id uint64) (<-chan struct{}, error) {
 	}
 	last := len(st.grants) == 0
 	if last {
-		// Remembered like a tombstone, so that it ages out.
+		// The request id stays restricted: remembered like a tombstone,
+		// and counted with them, so that it ages out or goes at the cap.
 		st.since = now
 		if !st.tomb {
 			st.acked = true
 		}
+		t.pushLocked(st)
 	}
 	wait := st.waitLocked()
 	sh.mu.Unlock()
-	if last {
-		t.queueMu.Lock()
-		t.queue = append(t.queue, tombRef{rid: g.RequestID, since: now})
-		t.queueMu.Unlock()
+	if last && t.queued > t.opts.MaxTombstones {
+		t.trimLocked(st)
 	}
+	t.queueMu.Unlock()
 	return wait, nil
+}
+
+// pushLocked puts st at the young end of the age queue, moving it if it is
+// queued already: a request id is queued once, however often it is
+// renewed. Called with queueMu and st's shard locked.
+func (t *Table) pushLocked(st *state) {
+	if st.queued {
+		if t.tail == st {
+			return
+		}
+		t.unlinkLocked(st)
+	}
+	st.prev, st.next = t.tail, nil
+	if t.tail != nil {
+		t.tail.next = st
+	} else {
+		t.head = st
+	}
+	t.tail = st
+	st.queued = true
+	t.queued++
+}
+
+// unlinkLocked takes st out of the age queue. Called with queueMu and st's
+// shard locked.
+func (t *Table) unlinkLocked(st *state) {
+	if st.prev != nil {
+		st.prev.next = st.next
+	} else {
+		t.head = st.next
+	}
+	if st.next != nil {
+		st.next.prev = st.prev
+	} else {
+		t.tail = st.prev
+	}
+	st.prev, st.next, st.queued = nil, nil, false
+	t.queued--
 }
 
 // Sweep forgets the tombstones (and request ids whose grants were all
@@ -450,65 +556,53 @@ func (t *Table) Revoke(id uint64) (<-chan struct{}, error) {
 func (t *Table) Sweep(now time.Time) {
 	t.queueMu.Lock()
 	defer t.queueMu.Unlock()
-	var held []tombRef
-	i := 0
-	for ; i < len(t.queue); i++ {
-		ref := t.queue[i]
-		if now.Sub(ref.since) < t.opts.TombstoneTTL {
-			break
+	for st := t.head; st != nil; {
+		next := st.next
+		if now.Sub(st.since) < t.opts.TombstoneTTL {
+			break // the rest are younger
 		}
-		switch t.evict(ref, false) {
-		case evictHeld:
-			held = append(held, ref) // not acknowledged, or busy: kept
-		}
+		t.evictLocked(st, false) // one not acknowledged, or busy, stays
+		st = next
 	}
-	t.queue = append(held, t.queue[i:]...)
 }
 
-// trim forgets tombstones past MaxTombstones, down to 7/8 of it so that the
-// walk is paid once per many aborts: acknowledged ones first, oldest first,
-// and only then, counted as forced, those not acknowledged.
-func (t *Table) trim() {
-	t.queueMu.Lock()
-	defer t.queueMu.Unlock()
-	target := int64(t.opts.MaxTombstones) * 7 / 8
+// trimLocked forgets queued request ids past MaxTombstones, down to 7/8 of
+// it so that the walk is paid once per many aborts: acknowledged ones
+// first, oldest first, and only then, counted as forced, those not
+// acknowledged; never young, the one just renewed. Called with queueMu
+// held.
+func (t *Table) trimLocked(young *state) {
+	target := t.opts.MaxTombstones * 7 / 8
 	for _, force := range []bool{false, true} {
-		kept := t.queue[:0]
-		for _, ref := range t.queue {
-			if t.tombs.Load() > target && t.evict(ref, force) != evictHeld {
-				continue
+		for st := t.head; st != nil && t.queued > target; {
+			next := st.next
+			if st != young {
+				t.evictLocked(st, force)
 			}
-			kept = append(kept, ref)
+			st = next
 		}
-		clear(t.queue[len(kept):])
-		t.queue = kept
 	}
 }
 
-type evictResult int
-
-const (
-	evictHeld  evictResult = iota // kept
-	evictStale                    // the entry no longer names a state
-	evictDone                     // forgotten
-)
-
-// evict forgets the state ref names if it is idle and acknowledged (or
-// force), and reports what it did.
-func (t *Table) evict(ref tombRef, force bool) evictResult {
-	sh := t.shard(ref.rid)
+// evictLocked forgets the queued state st if it is idle and acknowledged (or
+// force). A state with live grants leaves the queue but stays: it is bounded
+// by MaxGrants, and the revoke of its last grant (or an abort) queues it
+// again. Called with queueMu held.
+func (t *Table) evictLocked(st *state, force bool) {
+	sh := t.shard(st.rid)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	st := sh.m[ref.rid]
 	switch {
-	case st == nil || !st.since.Equal(ref.since):
-		return evictStale // renewed (queued again) or gone
 	case len(st.grants) > 0:
-		return evictStale // live grants: a later revoke queues it again
+		t.unlinkLocked(st)
+		return
 	case st.active > 0 || (!st.acked && !force):
-		return evictHeld
+		return
 	}
-	delete(sh.m, ref.rid)
+	t.unlinkLocked(st)
+	if sh.m[st.rid] == st {
+		delete(sh.m, st.rid)
+	}
 	if st.tomb {
 		t.tombs.Add(-1)
 	}
@@ -516,23 +610,27 @@ func (t *Table) evict(ref tombRef, force bool) evictResult {
 	if !st.acked {
 		t.forced.Add(1)
 	}
-	return evictDone
 }
 
 // Stats are the table's counters.
 type Stats struct {
 	Tombstones      int64 // aborted request ids remembered
 	Grants          int   // live grants
+	Ranges          int   // ranges of the live grants
+	Queued          int   // request ids remembered without a live grant (the age queue), each once
 	Evicted         int64 // entries forgotten after aging out or at the cap
 	ForcedEvictions int64 // tombstones forgotten at the cap before an acknowledgement
 }
 
 // Stats returns a snapshot of the counters.
 func (t *Table) Stats() Stats {
+	t.queueMu.Lock()
+	q := t.queued
+	t.queueMu.Unlock()
 	t.grantMu.Lock()
-	n := len(t.grants)
+	n, nr := len(t.grants), t.ranges
 	t.grantMu.Unlock()
-	return Stats{Tombstones: t.tombs.Load(), Grants: n, Evicted: t.evicted.Load(), ForcedEvictions: t.forced.Load()}
+	return Stats{Tombstones: t.tombs.Load(), Grants: n, Ranges: nr, Queued: q, Evicted: t.evicted.Load(), ForcedEvictions: t.forced.Load()}
 }
 
 // Len returns the number of request ids with state (tombstones, grants,
