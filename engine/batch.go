@@ -129,6 +129,7 @@ type task struct {
 	req         Request
 	status      atomic.Int32
 	final       atomic.Int32 // status a cancel imposes, 0 if none
+	cutting     atomic.Bool  // a cancel has taken the task's slices to cut
 	remaining   atomic.Int32 // slices not ended
 	transferred atomic.Uint64
 	errMu       sync.Mutex
@@ -580,7 +581,15 @@ func cancelErr(st TaskStatus) error {
 // the path, whose other slices are retried elsewhere), and slices being
 // staged end after the chunk being copied.
 func (t *task) cancel(st TaskStatus, cut map[*pathRef][]*transport.Slice) {
-	if TaskStatus(t.status.Load()).Final() || !t.final.CompareAndSwap(0, int32(st)) {
+	if TaskStatus(t.status.Load()).Final() {
+		return
+	}
+	// The first status imposed wins; an owner's ABORT (task.abort) imposes
+	// one without cutting the slices on the wire, leaving them to the
+	// drain, so a later cancel still cuts them: the caller's own bound
+	// (deadline, Cancel) must not wait for the drain's.
+	t.final.CompareAndSwap(0, int32(st))
+	if !t.cutting.CompareAndSwap(false, true) {
 		return
 	}
 	t.b.tainted.Store(true)
