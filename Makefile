@@ -11,7 +11,7 @@ export CGO_ENABLED := 1
 # warnings are not ours to fix and would bury ours.
 export CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
 
-.PHONY: all build deps test test-go test-race vet fmt-check fuzz-short bench run clean
+.PHONY: all build deps test test-go test-race test-netfault test-netfault-soak vet fmt-check fuzz-short bench run clean
 
 all: build
 
@@ -28,7 +28,7 @@ run: build
 	$(BIN)/kvferry-bench --mode loopback --op write --block-size 1048576 --threads 4 --duration 5
 	$(BIN)/kvferry-bench --mode loopback --op read --block-size 1048576 --threads 4 --duration 5
 
-test: deps fmt-check vet test-fakeverbs test-fakecuda test-go test-race fuzz-short test-c test-python test-rxe-ci
+test: deps fmt-check vet test-fakeverbs test-fakecuda test-go test-race test-netfault fuzz-short test-c test-python test-rxe-ci
 	@echo "make test: all passed; soft-RoCE suite: $$(cat build/rxe/status 2>/dev/null || echo 'not run')"
 
 fmt-check:
@@ -45,6 +45,21 @@ test-go: fakeverbs fakecuda
 
 test-race: fakeverbs fakecuda
 	$(GO) test -race -short -count=1 -timeout 15m ./...
+
+# The network-fault suite (tests/netfault): random packet loss and
+# blackholes through nftables, rate limits through tc tbf, processes paused
+# and killed, and a soak of transfers and aborts under all of them. It drops
+# packets and shapes lo (in a network namespace of its own where the kernel
+# allows one, else on the host's lo, a janitor process removing its rules
+# and qdisc however the run ends), and it measures deadlines, so it runs
+# alone, after the other Go tests, never beside them (go test ./... skips
+# it). Root, nft, tc and ip are needed; without them every test skips and
+# says why. About 80 s on 2 cores; test-netfault-soak soaks for 3 minutes.
+test-netfault:
+	KVFERRY_NETFAULT=1 $(GO) test -count=1 -timeout 10m -v ./tests/netfault/
+
+test-netfault-soak:
+	KVFERRY_NETFAULT=1 KVFERRY_NETFAULT_SOAK=3m $(GO) test -count=1 -timeout 10m -v -run '^TestSoak' ./tests/netfault/
 
 # Each fuzz target for FUZZTIME executions, from its committed seed corpus.
 fuzz-short:
