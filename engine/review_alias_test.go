@@ -68,6 +68,9 @@ func TestRDMAAbortHeardFromAnAliasStopsWorkOnTheOwnNameSegment(t *testing.T) {
 			probeDst, probeSrc := alloc(t, owner, probe), alloc(t, init, probe)
 			transfer(t, init, 30*time.Second, write(probeSrc, aliasSeg, engine.AddrOf(probeDst), probe))
 
+			if r := b.Results()[0]; r.Status.Final() {
+				t.Fatalf("setup: request %d's WRITE ended %v before the abort; nothing would be shown", rid, r.Status)
+			}
 			res, err := owner.Abort(testCtx(t, 20*time.Second), rid, []string{init.Name()})
 			if err != nil || !res.Safe {
 				t.Fatalf("abort of %d naming %s = %+v, %v; want Safe", rid, init.Name(), res, err)
