@@ -456,7 +456,8 @@ type tombstone struct {
 	drained bool // the drain for minGen finished; outcome and landed are set
 	outcome control.AckOutcome
 	landed  uint64
-	owed    bool // an ABORT was heard: the drain's end answers it (and its duplicates)
+	owed    bool   // an ABORT was heard: the drain's end answers it (and its duplicates)
+	ackTo   string // the name the owed ABORT came from, which its ACK goes back to
 }
 
 // handleAbort takes an owner's ABORT (on the plane's loop, so it must not
@@ -478,11 +479,16 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 		return 0, nil
 	}
 	e.stats.abortsReceived.Add(1)
+	// Recorded and matched under the owner's own name: an ABORT arrives on
+	// whichever control connection the owner routes to us, the one we
+	// opened by an alias of it or by its own name, while its request's
+	// tasks may go through a segment opened by either (see abortOwner).
+	owner := e.abortOwner(from)
 	if e.opts.Testing.UnsafeAbort {
 		// "Heard" is all this ACK means: SGLang's ABORT_ACK.
 		e.sendAck(from, control.AbortAck{RequestID: m.RequestID, Generation: m.Generation, Outcome: control.AckHeard})
 	}
-	k := tombKey{from, m.RequestID}
+	k := tombKey{owner, m.RequestID}
 	e.abortMu.Lock()
 	tb := e.tombs[k]
 	if tb != nil && tb.minGen >= m.Generation {
@@ -494,7 +500,7 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 			// the one asked about, which the owner is waiting for.
 			ack = control.AbortAck{RequestID: m.RequestID, Generation: m.Generation, Outcome: tb.outcome, Landed: tb.landed}
 		} else {
-			tb.owed = true
+			tb.owed, tb.ackTo = true, from
 		}
 		e.abortMu.Unlock()
 		if drained && !e.opts.Testing.UnsafeAbort {
@@ -502,7 +508,7 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 		}
 		return 0, nil
 	}
-	tasks, settled, ok := e.beginAbortLocked(k, m.Generation, true)
+	tasks, settled, ok := e.beginAbortLocked(k, m.Generation, from)
 	e.abortMu.Unlock()
 	if !ok {
 		e.stats.abortsDropped.Add(1)
@@ -515,7 +521,7 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 	for _, t := range tasks {
 		t.abort()
 	}
-	e.emit(Event{Kind: EventAborted, Peer: from, RequestID: m.RequestID, Generation: m.Generation})
+	e.emit(Event{Kind: EventAborted, Peer: owner, RequestID: m.RequestID, Generation: m.Generation})
 	if settled && !e.opts.Testing.UnsafeAbort {
 		e.sendAck(from, control.AbortAck{RequestID: m.RequestID, Generation: m.Generation, Outcome: control.AckDrained})
 	}
@@ -541,12 +547,13 @@ type drainJob struct {
 // beginAbortLocked records that k's owner aborted its request below gen and
 // returns the request's tasks in flight to that owner; their drain goes to
 // the pool, or, when there is nothing to drain, the tombstone is settled at
-// once (settled: the caller answers an owed ABORT itself). owed says whether
-// an ABORT asked (else the abort was learned from a refusal). ok is false
+// once (settled: the caller answers an owed ABORT itself). ackTo is the
+// name the ABORT came from, which the drain's ACK goes to ("" when the
+// abort was learned from a refusal: no ACK is owed). ok is false
 // when there is no room: nothing was recorded. Called with abortMu held,
 // which Submit holds (shared) from its tombstone check until its tasks are
 // in the task index: a task is either found here or sees the tombstone.
-func (e *Engine) beginAbortLocked(k tombKey, gen uint32, owed bool) (tasks []*task, settled, ok bool) {
+func (e *Engine) beginAbortLocked(k tombKey, gen uint32, ackTo string) (tasks []*task, settled, ok bool) {
 	tasks = e.tasks.lookup(k.owner, k.rid, gen)
 	segs := e.segmentsKnownAs(k.owner)
 	quick := false
@@ -568,7 +575,7 @@ func (e *Engine) beginAbortLocked(k tombKey, gen uint32, owed bool) (tasks []*ta
 			return nil, false, false
 		}
 	}
-	tb.minGen, tb.at, tb.drained, tb.owed = gen, time.Now(), false, owed
+	tb.minGen, tb.at, tb.drained, tb.owed, tb.ackTo = gen, time.Now(), false, ackTo != "", ackTo
 	if quick {
 		tb.drained, tb.outcome, tb.landed, tb.owed = true, control.AckDrained, 0, false
 		return nil, true, true
@@ -649,15 +656,36 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 	}
 	e.abortMu.Lock()
 	tb := e.tombs[k]
-	owed := false
+	owed, to := false, k.owner
 	if tb != nil && tb.minGen == gen {
 		tb.drained, tb.outcome, tb.landed = true, outcome, landed
 		owed, tb.owed = tb.owed, false
+		if tb.ackTo != "" {
+			to = tb.ackTo
+		}
 	}
 	e.abortMu.Unlock()
 	if !e.opts.Testing.UnsafeAbort && owed {
-		e.sendAck(k.owner, control.AbortAck{RequestID: k.rid, Generation: gen, Outcome: outcome, Landed: landed})
+		e.sendAck(to, control.AbortAck{RequestID: k.rid, Generation: gen, Outcome: outcome, Landed: landed})
 	}
+}
+
+// abortOwner is the name an ABORT from peer is recorded and matched under:
+// the owner engine's own name (its descriptor's) when a segment is open by
+// the name peer. The owner's control socket routes its ABORT on whichever
+// of our connections to it is newest: the one opened by an alias, or by its
+// own name. A segment opened by the alias knows both names (knownAs), but
+// one opened by the own name knows only that one, so keyed by the alias the
+// task index would miss the request's tasks through it, its paths would
+// not be drained (their rkeys kept) and its submits would not see the
+// tombstone: the ACK would say drained while its work goes on.
+func (e *Engine) abortOwner(peer string) string {
+	e.segMu.Lock()
+	defer e.segMu.Unlock()
+	if seg := e.segments[peer]; seg != nil {
+		return seg.id()
+	}
+	return peer
 }
 
 // segmentsKnownAs returns the open segments a message from peer may come
@@ -814,7 +842,7 @@ func (e *Engine) learnAbort(owner string, rid uint64, refusedGen uint32) {
 	}
 	// The drainer stops the other tasks: this runs inside a slice's
 	// completion, which must not stop others itself.
-	_, _, ok := e.beginAbortLocked(k, gen, false)
+	_, _, ok := e.beginAbortLocked(k, gen, "")
 	e.abortMu.Unlock()
 	if ok {
 		e.emit(Event{Kind: EventAborted, Peer: owner, RequestID: rid, Generation: gen})

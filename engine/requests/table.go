@@ -92,6 +92,7 @@ type Grant struct {
 	Ranges     []Range
 
 	revoked bool // under the shard's lock
+	aborted bool // revoked by an Abort of its request; under the shard's lock
 }
 
 func (g *Grant) covers(initiator string, addr, n uint64) bool {
@@ -260,7 +261,19 @@ func (g *guard) Enter() error {
 	sh := g.sh
 	sh.mu.Lock()
 	st := sh.m[g.rid]
-	if err := check(st, g.gen, g.grant); err != nil {
+	err := check(st, g.gen, g.grant)
+	if err == nil && g.grant != nil && g.grant.revoked {
+		// The grant this access was admitted under was withdrawn
+		// (Revoke, or an Abort of its request): refused even when the
+		// request's state is gone since (forgotten at the cap), where
+		// check alone would take the access for one of generation 0
+		// of a request never granted.
+		err = ErrNotGranted
+		if g.grant.aborted {
+			err = ErrAborted // the initiator learns the abort from it
+		}
+	}
+	if err != nil {
 		sh.mu.Unlock()
 		g.reg.Leave()
 		return err
@@ -335,7 +348,7 @@ func (t *Table) Abort(rid uint64, acked bool) (uint32, <-chan struct{}, error) {
 	st.minGen = st.gen
 	revoked := st.grants
 	for _, g := range revoked {
-		g.revoked = true
+		g.revoked, g.aborted = true, true
 	}
 	st.grants = nil
 	if !st.tomb {
