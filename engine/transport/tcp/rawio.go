@@ -22,12 +22,28 @@ type guard = transport.Guard
 // Go's netpoller (which honours the connection's deadlines) between them.
 type rawConn struct {
 	rc      syscall.RawConn
-	scratch []byte   // where refused bytes are read to, and zeros are written from
-	iovLim  [][]byte // reused by writevGuards
+	scratch []byte   // where refused bytes are read to, and zeros are written from; made on first use
+	iovLim  [][]byte // reused by writevParts
+	spans   []span   // reused by writevParts
 }
 
+// scratchLen is the size of a rawConn's scratch buffer.
+const scratchLen = 64 << 10
+
 func newRawConn(rc syscall.RawConn) *rawConn {
-	return &rawConn{rc: rc, scratch: make([]byte, 64<<10)}
+	return &rawConn{rc: rc}
+}
+
+// scratchBuf returns the scratch buffer, zeroed when zero is set. It is
+// made on first use: most connections never drop or pad a payload, and an
+// idle connection should cost little memory.
+func (c *rawConn) scratchBuf(zero bool) []byte {
+	if c.scratch == nil {
+		c.scratch = make([]byte, scratchLen)
+	} else if zero {
+		clear(c.scratch)
+	}
+	return c.scratch
 }
 
 // readFull fills p from the socket.
@@ -178,7 +194,8 @@ func (c *rawConn) readv(dst, tail []byte, g guard, wait bool) (nd, nt int, refus
 // discard reads and drops n bytes.
 func (c *rawConn) discard(n int) error {
 	for n > 0 {
-		chunk := c.scratch[:min(n, len(c.scratch))]
+		scratch := c.scratchBuf(false)
+		chunk := scratch[:min(n, len(scratch))]
 		var m int
 		var opErr error
 		rerr := c.rc.Read(func(fd uintptr) bool {
@@ -270,14 +287,16 @@ func (c *rawConn) writeGuarded(hdr, payload []byte, g guard, trailer ...byte) (s
 	return sent, nil, nil
 }
 
-// errRefusedMidWrite says a guard refused while a gathered write was under
-// way: the frame is torn and the connection must be closed.
+// errRefusedMidWrite says a guard refused while an initiator's gathered
+// write was under way (our own memory was unregistered): the frame is torn
+// and the path must be closed.
 var errRefusedMidWrite = fmt.Errorf("%w: memory refused mid-write", transport.ErrRefused)
 
 // writevGuards writes all of iov, entering every guard around each
 // syscall; a refusal stops the write (see errRefusedMidWrite). After a
 // refusal or a socket error the stream holds a torn frame and the
-// connection must be closed.
+// connection must be closed. The initiator's sender uses it; the owner,
+// whose refusals must leave the connection whole, uses writevParts.
 func (c *rawConn) writevGuards(iov [][]byte, guards []transport.Guard) error {
 	for len(iov) > 0 {
 		var n int
@@ -337,17 +356,166 @@ func (c *rawConn) writevGuards(iov [][]byte, guards []transport.Guard) error {
 	return nil
 }
 
+// gatherPart is one payload of a gathered write (a READ's data), copied
+// from memory that its guard covers.
+type gatherPart struct {
+	g       transport.Guard
+	iov     int   // index of the payload in the write's iov
+	sent    int   // payload bytes sent from memory
+	refusal error // g's refusal, once it refused
+	zeros   int   // after the refusal: zero bytes still to send in its place
+}
+
+// span is what one syscall sends of iov entry j: n bytes, from the entry
+// or, for a refused part (part >= 0), from zeros.
+type span struct{ j, n, part int }
+
+// writevParts writes all of iov, entering around each syscall the guards of
+// the parts whose payload that syscall reads, and only those. When a guard
+// refuses, zeros stand in for the rest of its payload, so the frame stays
+// whole and the connection, with every other part on it, goes on; refused
+// is called at once, before any byte after that payload is written, so it
+// can rewrite the frame that follows (the READ_DONE saying so). parts are
+// in iov order. After a socket error the stream holds a torn frame and the
+// connection must be closed.
+func (c *rawConn) writevParts(iov [][]byte, parts []gatherPart, refused func(p *gatherPart)) error {
+	pos, off := 0, 0 // the first byte not yet written is iov[pos][off] (zeros: parts[k].zeros)
+	first := 0       // the first part at pos or after it
+	left := func(j int) int {
+		if k := partAt(parts, first, j); k >= 0 && parts[k].refusal != nil {
+			return parts[k].zeros
+		}
+		if j == pos {
+			return len(iov[j]) - off
+		}
+		return len(iov[j])
+	}
+	for {
+		for first < len(parts) && parts[first].iov < pos {
+			first++
+		}
+		for pos < len(iov) && left(pos) == 0 {
+			pos, off = pos+1, 0
+			for first < len(parts) && parts[first].iov < pos {
+				first++
+			}
+		}
+		if pos == len(iov) {
+			return nil
+		}
+		// At most maxGuardedCopy bytes per syscall, as for single copies.
+		// Zeros come from the one scratch buffer, so they end the list.
+		lim, spans := c.iovLim[:0], c.spans[:0]
+		total := 0
+		for j := pos; j < len(iov) && total < maxGuardedCopy && len(lim) < maxRawIov; j++ {
+			n := min(left(j), maxGuardedCopy-total)
+			if n == 0 {
+				continue
+			}
+			k := partAt(parts, first, j)
+			if k >= 0 && parts[k].refusal != nil {
+				n = min(n, scratchLen)
+				lim = append(lim, c.scratchBuf(false)[:n])
+				spans = append(spans, span{j, n, k})
+				break
+			}
+			start := 0
+			if j == pos {
+				start = off
+			}
+			lim = append(lim, iov[j][start:start+n])
+			spans = append(spans, span{j, n, k})
+			total += n
+		}
+		c.iovLim, c.spans = lim, spans
+		var n int
+		var opErr error
+		refusedAt := -1
+		werr := c.rc.Write(func(fd uintptr) bool {
+			entered := 0
+			for ; entered < len(spans); entered++ {
+				if k := spans[entered].part; k >= 0 && parts[k].refusal == nil {
+					if e := parts[k].g.Enter(); e != nil {
+						parts[k].refusal, refusedAt = e, k
+						break
+					}
+				}
+			}
+			if refusedAt < 0 {
+				for {
+					n, opErr = rawWritev(int(fd), lim)
+					if opErr != unix.EINTR {
+						break
+					}
+				}
+			}
+			for _, sp := range spans[:entered] {
+				if k := sp.part; k >= 0 && parts[k].refusal == nil {
+					parts[k].g.Leave()
+				}
+			}
+			return refusedAt >= 0 || opErr != unix.EAGAIN
+		})
+		if refusedAt >= 0 {
+			p := &parts[refusedAt]
+			c.scratchBuf(true) // the zeros sent from here on
+			p.zeros = len(iov[p.iov]) - p.sent
+			refused(p)
+			continue
+		}
+		if werr != nil {
+			return werr
+		}
+		if opErr != nil {
+			return opErr
+		}
+		// Spans before the last are written whole when a later one is
+		// written at all: the kernel writes an iov in order.
+		for _, sp := range spans {
+			if n == 0 {
+				break
+			}
+			m := min(n, sp.n)
+			n -= m
+			if sp.part >= 0 && parts[sp.part].refusal != nil {
+				parts[sp.part].zeros -= m
+				pos, off = sp.j, 0
+				continue
+			}
+			if sp.part >= 0 {
+				parts[sp.part].sent += m
+			}
+			if sp.j == pos {
+				off += m
+			} else {
+				pos, off = sp.j, m
+			}
+		}
+	}
+}
+
+// partAt returns the index of the part whose payload is iov entry j, or
+// -1; parts before first lie before j.
+func partAt(parts []gatherPart, first, j int) int {
+	for k := first; k < len(parts) && parts[k].iov <= j; k++ {
+		if parts[k].iov == j {
+			return k
+		}
+	}
+	return -1
+}
+
 // finishFrame writes the rest of a frame after a refusal: what is left of
 // its header, then n zero bytes in place of the payload not sent.
 func (c *rawConn) finishFrame(header []byte, n int) error {
-	clear(c.scratch)
+	scratch := c.scratchBuf(true)
 	if len(header) > 0 {
 		if _, _, err := c.writeGuarded(header, nil, nil); err != nil {
 			return err
 		}
 	}
 	for n > 0 {
-		chunk := c.scratch[:min(n, len(c.scratch))]
+		chunk := scratch[:min(n, len(scratch))]
 		if _, _, err := c.writeGuarded(nil, chunk, nil); err != nil {
 			return err
 		}

@@ -1,6 +1,7 @@
 package tcp
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -27,7 +28,7 @@ type ownerConn struct {
 	// Reused by serveReads.
 	gatherHdrs   []header
 	gatherIov    [][]byte
-	gatherGuards []transport.Guard
+	gatherParts  []gatherPart
 	gatherFrames [2 * maxGatheredReads * HeaderSize]byte
 	// answers are WRITE_ACKs not yet written: they go out together when
 	// the socket has nothing more to read, or once enough piled up.
@@ -249,11 +250,12 @@ const maxGatheredReads = 16
 
 // serveReads answers h and the READs read ahead behind it in one gathered
 // write: per READ, READ_DATA, its payload and READ_DONE, or READ_DONE alone
-// for a refusal at admission. All admitted ranges are entered around each
-// syscall; a refusal that strikes mid-write (memory unregistered, request
-// aborted) stops the write before another byte of that memory goes out and
-// closes the connection (the frame is torn), so the initiator retries and
-// is refused at admission.
+// for a refusal at admission. Around each syscall the guards of the ranges
+// it reads are entered; a refusal that strikes mid-write (memory
+// unregistered, request aborted) stops that READ's bytes: zeros stand in
+// for the rest of its payload and its READ_DONE says refused, with the
+// bytes sent from memory. The frames stay whole, so the connection and the
+// other READs on it go on undisturbed.
 func (c *ownerConn) serveReads(first *header, initiator string) error {
 	t := c.t
 	c.lastWrite = false
@@ -269,7 +271,7 @@ func (c *ownerConn) serveReads(first *header, initiator string) error {
 		total += int(h.length)
 	}
 	iov := append(c.gatherIov[:0], c.answers)
-	guards := c.gatherGuards[:0]
+	parts := c.gatherParts[:0]
 	var stages []transport.Stage
 	defer func() {
 		for _, st := range stages {
@@ -277,7 +279,6 @@ func (c *ownerConn) serveReads(first *header, initiator string) error {
 		}
 	}()
 	frames := c.gatherFrames[:0] // never grows: 2 headers per READ at most
-	sent := 0
 	for i := range hs {
 		h := &hs[i]
 		a := transport.Access{Op: transport.Read, Initiator: initiator, RequestID: h.requestID, Generation: h.generation,
@@ -300,26 +301,36 @@ func (c *ownerConn) serveReads(first *header, initiator string) error {
 		data := header{typ: frameReadData, seq: h.seq, requestID: h.requestID, generation: h.generation, length: h.length}
 		done.done = uint64(len(tgt.Mem))
 		frames = append(frames, frameBytes(&data)...)
-		iov = append(iov, frames[len(frames)-HeaderSize:], tgt.Mem)
+		iov = append(iov, frames[len(frames)-HeaderSize:])
+		parts = append(parts, gatherPart{g: tgt.Guard, iov: len(iov)})
+		iov = append(iov, tgt.Mem)
 		frames = append(frames, frameBytes(&done)...)
 		iov = append(iov, frames[len(frames)-HeaderSize:])
-		guards = append(guards, tgt.Guard)
-		sent += len(tgt.Mem)
 	}
-	c.gatherHdrs, c.gatherIov, c.gatherGuards = hs[:0], iov[:0], guards[:0]
+	c.gatherHdrs = hs[:0]
 	_ = c.conn.SetWriteDeadline(time.Now().Add(t.opts.IOTimeout))
-	err := c.raw.writevGuards(iov, guards)
+	err := c.raw.writevParts(iov, parts, func(p *gatherPart) {
+		// The READ_DONE right after the payload has not gone out yet.
+		rewriteDone(iov[p.iov+1], statusOf(p.refusal), uint64(p.sent))
+		t.stats.refused.Add(1)
+		t.stats.refusedInFlight.Add(1)
+	})
 	c.answers, c.answerFrames, c.answerBytes = c.answers[:0], 0, 0
-	clear(guards)
-	if err != nil {
-		if errors.Is(err, errRefusedMidWrite) {
-			t.stats.refused.Add(1)
-			t.stats.refusedInFlight.Add(1)
-		}
-		return err
+	sent := 0
+	for i := range parts {
+		sent += parts[i].sent
 	}
 	t.stats.bytesOut.Add(uint64(sent))
-	return nil
+	clear(parts) // drop the guards
+	clear(iov)   // and the views of owner memory
+	c.gatherParts, c.gatherIov = parts[:0], iov[:0]
+	return err
+}
+
+// rewriteDone sets the status and the bytes done of an encoded READ_DONE.
+func rewriteDone(b []byte, status uint32, done uint64) {
+	binary.LittleEndian.PutUint32(b[4:], status)
+	binary.LittleEndian.PutUint64(b[56:], done)
 }
 
 // enterAndFill checks a READ target's guard and, for staged (GPU) memory,
