@@ -115,6 +115,7 @@ func (ep *endpoint) send() {
 	var batch []*transport.Slice
 	var hdrs [maxGather][HeaderSize]byte
 	iov := make([][]byte, 0, 2*maxGather)
+	user := make([]bool, 0, 2*maxGather) // user[i]: iov[i] is a payload in registered memory
 	group := make([]*transport.Slice, 0, maxGather)
 	for !ep.dead.Load() {
 		ep.mu.Lock()
@@ -125,7 +126,7 @@ func (ep *endpoint) send() {
 			continue
 		}
 		for i := 0; i < len(batch); {
-			iov, group = iov[:0], group[:0]
+			iov, user, group = iov[:0], user[:0], group[:0]
 			var reg *memory.Region
 			total := 0
 			for ; i < len(batch) && len(group) < maxGather && total < maxGatherBytes; i++ {
@@ -147,12 +148,12 @@ func (ep *endpoint) send() {
 					h.typ = frameWrite
 					h.encode(hb)
 					reg = s.LocalReg
-					iov = append(iov, hb, s.Local)
+					iov, user = append(iov, hb, s.Local), append(user, false, true)
 					total += len(s.Local)
 				} else {
 					h.encode(hb)
 					ep.reads.Add(1) // before the frame leaves: see nextHeader
-					iov = append(iov, hb)
+					iov, user = append(iov, hb), append(user, false)
 				}
 				group = append(group, s)
 			}
@@ -169,7 +170,7 @@ func (ep *endpoint) send() {
 			if reg != nil {
 				guards = append(guards, reg)
 			}
-			if err := ep.out.writevGuards(iov, guards); err != nil {
+			if err := ep.out.writevGuards(iov, user, guards); err != nil {
 				// A torn frame cannot be resumed: the path dies, and the
 				// slices left go back to the queue for the sweep to fail.
 				// (A refusal here means our own memory was unregistered.)
