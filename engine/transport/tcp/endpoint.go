@@ -1,6 +1,7 @@
 package tcp
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"sync"
@@ -35,6 +36,7 @@ type endpoint struct {
 	dataSeq        uint64 // the slice whose READ_DATA came last
 
 	dead       atomic.Bool
+	goneAway   bool       // the owner closed the path as idle (GOAWAY): no slice still pending was read; set before fail
 	deadlineMu sync.Mutex // orders armWrite against fail
 	failOnce   sync.Once
 	reason     error
@@ -51,7 +53,7 @@ func newEndpoint(t *Transport, conn *net.TCPConn, self string, deadline time.Tim
 		t: t, conn: conn, out: newRawConn(rc), in: newRawConn(rc),
 		wake: make(chan struct{}, 1), finished: make(chan struct{}),
 	}
-	hello := header{typ: frameHello, length: uint32(len(self))}
+	hello := header{typ: frameHello, length: uint32(len(self)), done: helloGoAway}
 	var hb [HeaderSize]byte
 	hello.encode(hb[:])
 	_ = conn.SetDeadline(deadline)
@@ -97,7 +99,13 @@ func (ep *endpoint) Post(slices []*transport.Slice) {
 	}
 }
 
+// failure is the error of slices the dead path ends. After a GOAWAY none of
+// them was read by the owner, which the error says (transport.ErrUnsent),
+// so the engine posts them again without counting a retry.
 func (ep *endpoint) failure() error {
+	if ep.goneAway {
+		return fmt.Errorf("tcp %s: %w: %w: %w", ep.conn.RemoteAddr(), transport.ErrConnection, transport.ErrUnsent, ep.reason)
+	}
 	return fmt.Errorf("tcp %s: %w: %w", ep.conn.RemoteAddr(), transport.ErrConnection, ep.reason)
 }
 
@@ -202,6 +210,10 @@ func (ep *endpoint) receive() {
 			ep.fail(err)
 			return
 		}
+		if h.typ == frameGoAway {
+			ep.goAway(h.seq)
+			return
+		}
 		v, ok := ep.pending.Load(h.seq)
 		if !ok {
 			ep.fail(fmt.Errorf("%w: answer for unknown slice %d", errBadFrame, h.seq))
@@ -239,6 +251,28 @@ func (ep *endpoint) receive() {
 			return
 		}
 	}
+}
+
+// errGoneAway is why a path ends when its owner closed it as idle.
+var errGoneAway = errors.New("the owner closed the idle connection (GOAWAY)")
+
+// goAway ends the path on the owner's GOAWAY: it answered every slice up
+// to seq and read nothing after, so the slices still pending (sent after
+// seq, or not sent) end with transport.ErrUnsent. An owner that names a
+// slice it did not answer breaks the protocol instead.
+func (ep *endpoint) goAway(seq uint64) {
+	unanswered := false
+	ep.pending.Range(func(k, _ any) bool {
+		unanswered = k.(uint64) <= seq
+		return !unanswered
+	})
+	if unanswered {
+		ep.fail(fmt.Errorf("%w: GOAWAY after slice %d, which is not answered", errBadFrame, seq))
+		return
+	}
+	ep.t.stats.goAways.Add(1)
+	ep.goneAway = true // read by the sweep and by Post only once fail ended the goroutines
+	ep.fail(errGoneAway)
 }
 
 // nextHeader returns the next answer header. Answers are small and come in

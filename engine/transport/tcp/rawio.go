@@ -27,6 +27,10 @@ type rawConn struct {
 	iovLim  [][]byte // reused by writevParts
 	spans   []span   // reused by writevParts
 	limUser []bool   // reused by writevParts
+	// beforeWait, when set, runs each time a read is about to wait for
+	// the socket (not when bytes are already there): the owner arms its
+	// read deadline there, so a connection that never waits pays nothing.
+	beforeWait func()
 }
 
 // scratchLen is the size of a rawConn's scratch buffer.
@@ -256,6 +260,9 @@ func (c *rawConn) readv(dst, tail []byte, g guard, wait bool) (nd, nt int, refus
 		}
 		if opErr == unix.EAGAIN {
 			if wait {
+				if c.beforeWait != nil {
+					c.beforeWait()
+				}
 				return false
 			}
 			blocked = true
@@ -289,7 +296,13 @@ func (c *rawConn) discard(n int) error {
 					break
 				}
 			}
-			return opErr != unix.EAGAIN
+			if opErr == unix.EAGAIN {
+				if c.beforeWait != nil {
+					c.beforeWait()
+				}
+				return false
+			}
+			return true
 		})
 		if err := sockErr(rerr, opErr, m); err != nil {
 			return err
