@@ -401,6 +401,15 @@ func (e *Engine) heartbeats() {
 				defer wg.Done()
 				ctx, cancel := context.WithTimeout(context.Background(), e.opts.HeartbeatInterval)
 				defer cancel()
+				if s.dead.Load() {
+					// A dead segment is first probed with a plain
+					// connect, so one whose process is gone (refused)
+					// costs no control socket; see Segment.heartbeat.
+					if err := probe(ctx, s.name); err != nil {
+						s.heartbeat(err)
+						return
+					}
+				}
 				_, _, err := e.plane.Request(ctx, s.name, control.MsgPing, nil)
 				s.heartbeat(err)
 			}()
