@@ -146,6 +146,7 @@ type sliceT struct {
 	transport.Slice
 	t        *task
 	attempts int
+	reposts  int // posts again of the slice after its path ended before the owner read it
 	hint     uint32
 	path     atomic.Pointer[pathRef]
 	stage    *initStage // host staging of GPU memory on a path without DirectGPU
@@ -438,16 +439,31 @@ func sliceDone(ts *transport.Slice, err error) {
 	s := ts.Tag.(*sliceT)
 	t := s.t
 	e := t.b.e
-	if err != nil && transport.Retryable(err) && t.final.Load() == 0 && s.attempts < e.opts.MaxRetries && e.startRetry() {
-		s.attempts++
-		e.stats.retries.Add(1)
-		t.b.tainted.Store(true)
-		ts.Reset() // Queued again: a cancel from here on takes it
-		go s.retry()
-		return
+	if err != nil && transport.Retryable(err) && t.final.Load() == 0 {
+		// A slice the owner never read (it closed the idle path first) is
+		// posted again without spending a retry: a path idled out by its
+		// owner must not fail a transfer. maxReposts bounds an owner that
+		// keeps doing it.
+		unsent := errors.Is(err, transport.ErrUnsent) && s.reposts < maxReposts
+		if (unsent || s.attempts < e.opts.MaxRetries) && e.startRetry() {
+			if unsent {
+				s.reposts++
+			} else {
+				s.attempts++
+				e.stats.retries.Add(1)
+			}
+			t.b.tainted.Store(true)
+			ts.Reset() // Queued again: a cancel from here on takes it
+			go s.retry()
+			return
+		}
 	}
 	t.sliceEnded(s, err)
 }
+
+// maxReposts bounds the posts again of one slice that its path's owner did
+// not read (transport.ErrUnsent); they do not count against MaxRetries.
+const maxReposts = 8
 
 // startRetry counts a retry goroutine in, unless the engine is closing;
 // Close waits for those counted.

@@ -172,7 +172,11 @@ func New(opts Options) (*Engine, error) {
 		return nil, fmt.Errorf("kvferry: %w: %w", ErrInvalidArg, err)
 	}
 	e.plane = plane
-	e.tcp = tcp.New(tcp.Options{ListenHost: host, IOTimeout: opts.IOTimeout, Logger: e.log, ApplyDelay: opts.Testing.ApplyDelay})
+	e.tcp = tcp.New(tcp.Options{
+		ListenHost: host, IOTimeout: opts.IOTimeout, Logger: e.log, ApplyDelay: opts.Testing.ApplyDelay,
+		MaxConnsPerPeer: opts.TCPMaxConnsPerPeer, MaxConns: opts.TCPMaxConns, IdleTimeout: opts.TCPIdleTimeout,
+		FrameTimeout: opts.TCPFrameTimeout, MinRate: opts.TCPMinRate,
+	})
 	tcpAddr, err := e.tcp.Listen(e)
 	if err != nil {
 		e.cancel()
@@ -320,6 +324,14 @@ type Stats struct {
 	Registrations       int    // registered ranges
 	OpenSegments        int
 
+	// TCP data connections, as owner.
+	DataConns     int64  // accepted data connections open now
+	ConnsRefused  uint64 // accepted data connections closed at once, at TCPMaxConnsPerPeer or TCPMaxConns
+	IdleClosed    uint64 // data connections closed after TCPIdleTimeout without a request
+	FrameTimeouts uint64 // data connections closed because a frame came too slowly (TCPFrameTimeout, TCPMinRate)
+	// TCP paths, as initiator.
+	PathsIdledOut uint64 // our paths an owner closed as idle; their slices it had not read were posted again
+
 	// Aborts, as owner.
 	AbortsSafe      uint64 // Abort calls that reported Safe
 	AbortsNotSafe   uint64 // Abort calls that reported not Safe
@@ -410,6 +422,8 @@ func (e *Engine) Stats() Stats {
 		TasksCanceled: e.stats.tasksCanceled.Load(), TasksInFlight: e.stats.tasksInFlight.Load(),
 		Retries: e.stats.retries.Load(), OwnerBytesIn: t.BytesIn, OwnerBytesOut: t.BytesOut,
 		OwnerRefused: t.Refused, RefusedInFlight: t.RefusedInFlight, ProtocolErrors: t.ProtocolErrors,
+		DataConns: t.Conns, ConnsRefused: t.RefusedPerPeer + t.RefusedTotal, IdleClosed: t.IdleClosed,
+		FrameTimeouts: t.FrameTimeouts, PathsIdledOut: t.GoAways,
 		ControlDropped: c.Malformed + e.stats.controlDropped.Load(), ControlLate: c.Unmatched, Registrations: e.reg.Len(), OpenSegments: nseg,
 		ControlConns: c.Conns, ControlPeers: c.Peers, ControlConnsRefused: c.ConnsRefused, ControlConnsCut: c.ConnsCut,
 		ControlOverBudget: c.OverBudget, ControlSendFails: c.SendFails,
@@ -445,6 +459,15 @@ func (e *Engine) heartbeats() {
 				defer wg.Done()
 				ctx, cancel := context.WithTimeout(context.Background(), e.opts.HeartbeatInterval)
 				defer cancel()
+				if s.dead.Load() {
+					// A dead segment is first probed with a plain
+					// connect, so one whose process is gone (refused)
+					// costs no control socket; see Segment.heartbeat.
+					if err := probe(ctx, s.name); err != nil {
+						s.heartbeat(err)
+						return
+					}
+				}
 				_, _, err := e.plane.Request(ctx, s.name, control.MsgPing, nil)
 				s.heartbeat(err)
 			}()

@@ -6,6 +6,8 @@ import (
 	"os"
 	"strconv"
 	"time"
+
+	"github.com/kvferry/kvferry/engine/transport/tcp"
 )
 
 // Options configure an Engine. Zero fields take the defaults in the table
@@ -30,6 +32,11 @@ import (
 //	MaxRetries         KVFERRY_MAX_RETRIES          2
 //	DefaultTimeout     KVFERRY_TIMEOUT_MS           30000
 //	IOTimeout          KVFERRY_IO_TIMEOUT_MS        30000
+//	TCPMaxConnsPerPeer KVFERRY_TCP_MAX_CONNS_PER_PEER 1024
+//	TCPMaxConns        KVFERRY_TCP_MAX_CONNS        8192
+//	TCPIdleTimeout     KVFERRY_TCP_IDLE_TIMEOUT_MS  120000 (2 minutes)
+//	TCPFrameTimeout    KVFERRY_TCP_FRAME_TIMEOUT_MS 10000
+//	TCPMinRate         KVFERRY_TCP_MIN_RATE         1048576 (bytes per second)
 //	HeartbeatInterval  KVFERRY_HEARTBEAT_MS         1000
 //	HeartbeatMisses    KVFERRY_HEARTBEAT_MISSES     5
 //	AbortDrainTimeout  KVFERRY_ABORT_DRAIN_MS       5000
@@ -114,6 +121,28 @@ type Options struct {
 	// to 4 MiB, or one READ answer); the connection is closed when it runs
 	// out.
 	IOTimeout time.Duration
+	// TCPMaxConnsPerPeer caps the tcp data connections accepted from one
+	// IP address and open at once (from the accept, before the handshake:
+	// names are unauthenticated, the address is what the kernel
+	// connected); TCPMaxConns caps them all together. A connection past
+	// either is closed at once and counted (Stats.ConnsRefused). An
+	// initiator engine opens PathsPerPeer connections to each owner, so
+	// the default 1024 per address leaves room for sixteen engines on one
+	// host at the largest PathsPerPeer (64).
+	TCPMaxConnsPerPeer int
+	TCPMaxConns        int
+	// TCPIdleTimeout closes an accepted tcp data connection with no
+	// request in progress for this long (Stats.IdleClosed). The
+	// initiator is told which requests were read and posts the others
+	// again on a new connection, so no transfer fails for it.
+	TCPIdleTimeout time.Duration
+	// TCPFrameTimeout and TCPMinRate (bytes per second) bound how long
+	// one frame arriving on an accepted tcp data connection may take:
+	// TCPFrameTimeout plus its length at TCPMinRate; the connection is
+	// closed when it is late (Stats.FrameTimeouts). A link slower than
+	// TCPMinRate per connection needs it lowered.
+	TCPFrameTimeout time.Duration
+	TCPMinRate      int
 	// HeartbeatInterval is how often open segments are pinged; a segment
 	// that misses HeartbeatMisses pings in a row is declared dead and its
 	// in-flight transfers fail.
@@ -239,6 +268,8 @@ func (o *Options) applyEnv() error {
 		{"KVFERRY_RDMA_RETRY_COUNT", &o.RDMARetryCount},
 		{"KVFERRY_CONTROL_MAX_CONNS", &o.ControlMaxConns}, {"KVFERRY_CONTROL_MAX_CONNS_PER_HOST", &o.ControlMaxConnsPerHost},
 		{"KVFERRY_CONTROL_BUFFER_MB", &o.ControlBufferMiB},
+		{"KVFERRY_TCP_MAX_CONNS_PER_PEER", &o.TCPMaxConnsPerPeer}, {"KVFERRY_TCP_MAX_CONNS", &o.TCPMaxConns},
+		{"KVFERRY_TCP_MIN_RATE", &o.TCPMinRate},
 	} {
 		if err := num(f.name, f.dst); err != nil {
 			return err
@@ -252,6 +283,7 @@ func (o *Options) applyEnv() error {
 		{"KVFERRY_HEARTBEAT_MS", &o.HeartbeatInterval}, {"KVFERRY_ABORT_DRAIN_MS", &o.AbortDrainTimeout},
 		{"KVFERRY_TOMBSTONE_TTL_MS", &o.TombstoneTTL}, {"KVFERRY_RDMA_COMPLETION_TIMEOUT_MS", &o.RDMACompletionTimeout},
 		{"KVFERRY_RDMA_FENCE_GRACE_MS", &o.RDMAFenceGrace},
+		{"KVFERRY_TCP_IDLE_TIMEOUT_MS", &o.TCPIdleTimeout}, {"KVFERRY_TCP_FRAME_TIMEOUT_MS", &o.TCPFrameTimeout},
 	} {
 		if err := ms(f.name, f.dst); err != nil {
 			return err
@@ -314,6 +346,21 @@ func (o *Options) fill() error {
 		o.HeartbeatMisses = 5
 	}
 	def(&o.AbortDrainTimeout, 5*time.Second)
+	if o.TCPMaxConnsPerPeer < 0 || o.TCPMaxConns < 0 || o.TCPMinRate < 0 {
+		return fmt.Errorf("tcp connection caps %d per peer, %d in all, min rate %d: want 0 (default) or more",
+			o.TCPMaxConnsPerPeer, o.TCPMaxConns, o.TCPMinRate)
+	}
+	if o.TCPMaxConnsPerPeer == 0 {
+		o.TCPMaxConnsPerPeer = tcp.DefaultMaxConnsPerPeer
+	}
+	if o.TCPMaxConns == 0 {
+		o.TCPMaxConns = tcp.DefaultMaxConns
+	}
+	if o.TCPMinRate == 0 {
+		o.TCPMinRate = tcp.DefaultMinRate
+	}
+	def(&o.TCPIdleTimeout, tcp.DefaultIdleTimeout)
+	def(&o.TCPFrameTimeout, tcp.DefaultFrameTimeout)
 	def(&o.RDMACompletionTimeout, 10*time.Second)
 	if o.RDMAFenceGrace == 0 {
 		o.RDMAFenceGrace = 10 * time.Millisecond

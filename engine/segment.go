@@ -347,13 +347,33 @@ func (s *Segment) heartbeat(err error) {
 		}
 		return
 	}
-	if int(s.misses.Add(1)) < s.e.opts.HeartbeatMisses || !s.dead.CompareAndSwap(false, true) {
+	if int(s.misses.Add(1)) < s.e.opts.HeartbeatMisses {
+		return
+	}
+	// A dead peer keeps no socket of ours: its control socket (a ZMQ
+	// DEALER, which would hold a descriptor and reconnect for ever) is
+	// closed after every missed ping, and a dead segment is probed with a
+	// plain connect before it is pinged again (heartbeats).
+	s.e.plane.Forget(s.name)
+	if !s.dead.CompareAndSwap(false, true) {
 		return
 	}
 	// Rate-limited: a peer that keeps dropping out and coming back causes
 	// this line.
 	s.e.peerWarn("dead", s.name, "kvferry: peer declared dead", "segment", s.name, "misses", s.misses.Load(), "err", err)
 	s.cutPaths(fmt.Errorf("segment %s: %w", s.name, ErrPeerDead))
+}
+
+// probe connects to a peer's control port and closes the connection at
+// once: it tells whether anything listens there without opening a control
+// socket.
+func probe(ctx context.Context, name string) error {
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", name)
+	if err != nil {
+		return fmt.Errorf("%w: %s: %w", control.ErrUnreachable, name, err)
+	}
+	return c.Close()
 }
 
 // cutPaths aborts every path; their slices fail and are retried or failed.

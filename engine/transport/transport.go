@@ -51,6 +51,12 @@ var (
 	// request id (or the access names a generation the owner aborted);
 	// it is always wrapped together with ErrRefused.
 	ErrAborted = errors.New("request aborted by the owner")
+	// ErrUnsent marks a slice that certainly never reached the owner's
+	// memory: its path closed before the owner read any of its frame (an
+	// owner that closes an idle connection says up to which slice it
+	// read). It is always wrapped together with ErrConnection; posting the
+	// slice again on another path is safe and is not a retry of a failure.
+	ErrUnsent = errors.New("slice not read by the owner")
 )
 
 // Retryable reports whether a slice that failed with err may be posted again

@@ -1,6 +1,7 @@
 package tcp
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"sync"
@@ -35,6 +36,7 @@ type endpoint struct {
 	dataSeq        uint64 // the slice whose READ_DATA came last
 
 	dead       atomic.Bool
+	goneAway   bool       // the owner closed the path as idle (GOAWAY): no slice still pending was read; set before fail
 	deadlineMu sync.Mutex // orders armWrite against fail
 	failOnce   sync.Once
 	reason     error
@@ -51,7 +53,7 @@ func newEndpoint(t *Transport, conn *net.TCPConn, self string, deadline time.Tim
 		t: t, conn: conn, out: newRawConn(rc), in: newRawConn(rc),
 		wake: make(chan struct{}, 1), finished: make(chan struct{}),
 	}
-	hello := header{typ: frameHello, length: uint32(len(self))}
+	hello := header{typ: frameHello, length: uint32(len(self)), done: helloGoAway}
 	var hb [HeaderSize]byte
 	hello.encode(hb[:])
 	_ = conn.SetDeadline(deadline)
@@ -97,7 +99,13 @@ func (ep *endpoint) Post(slices []*transport.Slice) {
 	}
 }
 
+// failure is the error of slices the dead path ends. After a GOAWAY none of
+// them was read by the owner, which the error says (transport.ErrUnsent),
+// so the engine posts them again without counting a retry.
 func (ep *endpoint) failure() error {
+	if ep.goneAway {
+		return fmt.Errorf("tcp %s: %w: %w: %w", ep.conn.RemoteAddr(), transport.ErrConnection, transport.ErrUnsent, ep.reason)
+	}
 	return fmt.Errorf("tcp %s: %w: %w", ep.conn.RemoteAddr(), transport.ErrConnection, ep.reason)
 }
 
@@ -115,6 +123,7 @@ func (ep *endpoint) send() {
 	var batch []*transport.Slice
 	var hdrs [maxGather][HeaderSize]byte
 	iov := make([][]byte, 0, 2*maxGather)
+	user := make([]bool, 0, 2*maxGather) // user[i]: iov[i] is a payload in registered memory
 	group := make([]*transport.Slice, 0, maxGather)
 	for !ep.dead.Load() {
 		ep.mu.Lock()
@@ -125,7 +134,7 @@ func (ep *endpoint) send() {
 			continue
 		}
 		for i := 0; i < len(batch); {
-			iov, group = iov[:0], group[:0]
+			iov, user, group = iov[:0], user[:0], group[:0]
 			var reg *memory.Region
 			total := 0
 			for ; i < len(batch) && len(group) < maxGather && total < maxGatherBytes; i++ {
@@ -147,12 +156,12 @@ func (ep *endpoint) send() {
 					h.typ = frameWrite
 					h.encode(hb)
 					reg = s.LocalReg
-					iov = append(iov, hb, s.Local)
+					iov, user = append(iov, hb, s.Local), append(user, false, true)
 					total += len(s.Local)
 				} else {
 					h.encode(hb)
 					ep.reads.Add(1) // before the frame leaves: see nextHeader
-					iov = append(iov, hb)
+					iov, user = append(iov, hb), append(user, false)
 				}
 				group = append(group, s)
 			}
@@ -169,7 +178,7 @@ func (ep *endpoint) send() {
 			if reg != nil {
 				guards = append(guards, reg)
 			}
-			if err := ep.out.writevGuards(iov, guards); err != nil {
+			if err := ep.out.writevGuards(iov, user, guards); err != nil {
 				// A torn frame cannot be resumed: the path dies, and the
 				// slices left go back to the queue for the sweep to fail.
 				// (A refusal here means our own memory was unregistered.)
@@ -199,6 +208,10 @@ func (ep *endpoint) receive() {
 		}
 		if err := h.decode(hb); err != nil {
 			ep.fail(err)
+			return
+		}
+		if h.typ == frameGoAway {
+			ep.goAway(h.seq)
 			return
 		}
 		v, ok := ep.pending.Load(h.seq)
@@ -238,6 +251,28 @@ func (ep *endpoint) receive() {
 			return
 		}
 	}
+}
+
+// errGoneAway is why a path ends when its owner closed it as idle.
+var errGoneAway = errors.New("the owner closed the idle connection (GOAWAY)")
+
+// goAway ends the path on the owner's GOAWAY: it answered every slice up
+// to seq and read nothing after, so the slices still pending (sent after
+// seq, or not sent) end with transport.ErrUnsent. An owner that names a
+// slice it did not answer breaks the protocol instead.
+func (ep *endpoint) goAway(seq uint64) {
+	unanswered := false
+	ep.pending.Range(func(k, _ any) bool {
+		unanswered = k.(uint64) <= seq
+		return !unanswered
+	})
+	if unanswered {
+		ep.fail(fmt.Errorf("%w: GOAWAY after slice %d, which is not answered", errBadFrame, seq))
+		return
+	}
+	ep.t.stats.goAways.Add(1)
+	ep.goneAway = true // read by the sweep and by Post only once fail ended the goroutines
+	ep.fail(errGoneAway)
 }
 
 // nextHeader returns the next answer header. Answers are small and come in

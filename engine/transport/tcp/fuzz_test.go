@@ -59,6 +59,10 @@ func headerSeeds() []headerSeed {
 		{"bad_version", set(write, 2, 2)},
 		{"type_0", set(write, 3, 0)},
 		{"type_8", set(write, 3, 8)},
+		{"type_9", set(encodeHeader(header{typ: frameGoAway, seq: 3}), 3, 9)},
+		{"go_away", encodeHeader(header{typ: frameGoAway, seq: 3})},
+		{"go_away_with_length", encodeHeader(header{typ: frameGoAway, seq: 3, length: 1})},
+		{"hello_goaway_flag", encodeHeader(header{typ: frameHello, length: 15, done: helloGoAway})},
 		{"hello_empty_name", encodeHeader(header{typ: frameHello})},
 		{"hello_name_too_long", encodeHeader(header{typ: frameHello, length: maxHelloName + 1})},
 		{"write_zero_length", set32(write, 28, 0)},
@@ -95,7 +99,7 @@ func FuzzHeaderDecode(f *testing.F) {
 			if h.length == 0 || h.length > MaxSliceLength {
 				t.Fatalf("accepted type %d with length %d", h.typ, h.length)
 			}
-		case frameHelloAck, frameWriteAck, frameReadDone:
+		case frameHelloAck, frameWriteAck, frameReadDone, frameGoAway:
 			if h.length != 0 {
 				t.Fatalf("accepted type %d with length %d", h.typ, h.length)
 			}
@@ -118,7 +122,8 @@ func FuzzHeaderDecode(f *testing.F) {
 // decoder accepts shows up by name.
 func TestHeaderSeedVerdicts(t *testing.T) {
 	accept := map[string]bool{"hello": true, "hello_ack": true, "write": true, "write_with_payload_after": true,
-		"write_ack_refused": true, "read_max": true, "read_data": true, "read_done": true}
+		"write_ack_refused": true, "read_max": true, "read_data": true, "read_done": true, "go_away": true,
+		"hello_goaway_flag": true}
 	for _, s := range headerSeeds() {
 		var h header
 		err := h.decode(s.data)

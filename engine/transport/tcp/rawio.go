@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"runtime"
 	"syscall"
 	"unsafe"
@@ -22,12 +23,33 @@ type guard = transport.Guard
 // Go's netpoller (which honours the connection's deadlines) between them.
 type rawConn struct {
 	rc      syscall.RawConn
-	scratch []byte   // where refused bytes are read to, and zeros are written from
-	iovLim  [][]byte // reused by writevGuards
+	scratch []byte   // where refused bytes are read to, and zeros are written from; made on first use
+	iovLim  [][]byte // reused by writevParts
+	spans   []span   // reused by writevParts
+	limUser []bool   // reused by writevParts
+	// beforeWait, when set, runs each time a read is about to wait for
+	// the socket (not when bytes are already there): the owner arms its
+	// read deadline there, so a connection that never waits pays nothing.
+	beforeWait func()
 }
 
+// scratchLen is the size of a rawConn's scratch buffer.
+const scratchLen = 64 << 10
+
 func newRawConn(rc syscall.RawConn) *rawConn {
-	return &rawConn{rc: rc, scratch: make([]byte, 64<<10)}
+	return &rawConn{rc: rc}
+}
+
+// scratchBuf returns the scratch buffer, zeroed when zero is set. It is
+// made on first use: most connections never drop or pad a payload, and an
+// idle connection should cost little memory.
+func (c *rawConn) scratchBuf(zero bool) []byte {
+	if c.scratch == nil {
+		c.scratch = make([]byte, scratchLen)
+	} else if zero {
+		clear(c.scratch)
+	}
+	return c.scratch
 }
 
 // readFull fills p from the socket.
@@ -43,14 +65,9 @@ func (c *rawConn) readFull(p []byte) error {
 const maxGuardedCopy = 512 << 10
 
 // rawIO is readv(2) or writev(2) (nr) of the non-empty parts of a, b and c
-// on a non-blocking socket, made without entering the scheduler
-// (RawSyscall): the goroutine keeps its P during the call, so the guard
-// held around it is left as soon as the kernel's copy (at most
-// maxGuardedCopy bytes, tens of microseconds) is done. With a normal
-// syscall the runtime may hand the P to another goroutine meanwhile, and
-// the guard then stays held until a P is free again: milliseconds on a busy
-// machine, which an abort waiting for the copy would pay.
-func rawIO(nr uintptr, fd int, a, b, c []byte) (int, error) {
+// on a non-blocking socket, where user (one of them, or nil) is the
+// registered memory the copy touches under its guard.
+func rawIO(nr uintptr, fd int, a, b, c, user []byte) (int, error) {
 	var iov [3]unix.Iovec
 	k := 0
 	for _, p := range [3][]byte{a, b, c} {
@@ -60,41 +77,128 @@ func rawIO(nr uintptr, fd int, a, b, c []byte) (int, error) {
 			k++
 		}
 	}
-	return rawIovec(nr, fd, iov[:k])
+	return rawIovec(nr, fd, iov[:k], resident(user))
 }
 
 // rawWritev is writev(2) of parts like rawIO, for up to maxRawIov parts
-// (the rest waits for the next call).
-func rawWritev(fd int, parts [][]byte) (int, error) {
+// (the rest waits for the next call); user[i] says that parts[i] is
+// registered memory.
+func rawWritev(fd int, parts [][]byte, user []bool) (int, error) {
 	var iov [maxRawIov]unix.Iovec
 	k := 0
-	for _, p := range parts {
+	// Registered parts that follow each other in memory (slices of one
+	// request) are looked at together: one mincore for the run.
+	res := true
+	var start, n uintptr // the run of registered parts not looked at yet
+	for i, p := range parts {
 		if k == len(iov) {
 			break
 		}
-		if len(p) > 0 {
-			iov[k].Base = &p[0]
-			iov[k].SetLen(len(p))
-			k++
+		if len(p) == 0 {
+			continue
+		}
+		iov[k].Base = &p[0]
+		iov[k].SetLen(len(p))
+		k++
+		if !user[i] || !res {
+			continue
+		}
+		if a := uintptr(unsafe.Pointer(&p[0])); n > 0 && a == start+n {
+			n += uintptr(len(p))
+		} else {
+			res = residentRange(start, n)
+			start, n = a, uintptr(len(p))
 		}
 	}
-	return rawIovec(unix.SYS_WRITEV, fd, iov[:k])
+	res = res && residentRange(start, n)
+	return rawIovec(unix.SYS_WRITEV, fd, iov[:k], res)
 }
 
 // maxRawIov bounds the parts of one raw writev: a gathered READ answer has
 // three per READ plus the held answers.
 const maxRawIov = 3*maxGatheredReads + 1
 
-func rawIovec(nr uintptr, fd int, iov []unix.Iovec) (int, error) {
+// How guarded copies make their system call. Benchmarks set copyMode to
+// compare the two calls in one run; it is copyAuto otherwise.
+const (
+	copyAuto    = iota // RawSyscall when the memory is resident, else Syscall
+	copyRaw            // always RawSyscall
+	copySyscall        // always Syscall
+)
+
+var copyMode = copyAuto
+
+// rawIovec makes readv(2) or writev(2) (nr) of iov, the copies made under a
+// guard (at most maxGuardedCopy bytes, tens of microseconds).
+//
+// The call is made without entering the scheduler (RawSyscall) only when the
+// registered memory it copies was just found resident: the goroutine keeps
+// its P, so the guard around the call is left as soon as the kernel's copy
+// is done. With Syscall the runtime may hand the P to another goroutine
+// during a copy that runs long, and the guard then stays held until a P is
+// free again (and throughput may suffer: BenchmarkGuardedSyscall compares
+// the two calls). But the memory is the user's: a tensor or array that was
+// allocated and never touched, memory swapped out, or a file-backed map
+// faults inside the kernel's copy, and a fault may wait for a page to be
+// read from disk. Under RawSyscall the goroutine keeps its P through that
+// wait and cannot be stopped, so a garbage collection's stop-the-world waits
+// for it and the whole process stalls; with Syscall only this copy waits.
+func rawIovec(nr uintptr, fd int, iov []unix.Iovec, resident bool) (int, error) {
 	if len(iov) == 0 {
 		return 0, nil
 	}
-	n, _, errno := unix.RawSyscall(nr, uintptr(fd), uintptr(unsafe.Pointer(&iov[0])), uintptr(len(iov)))
+	call := unix.Syscall
+	if copyMode == copyRaw || copyMode == copyAuto && resident {
+		call = unix.RawSyscall
+	}
+	n, _, errno := call(nr, uintptr(fd), uintptr(unsafe.Pointer(&iov[0])), uintptr(len(iov)))
 	runtime.KeepAlive(iov)
 	if errno != 0 {
 		return 0, errno
 	}
 	return int(n), nil
+}
+
+// pageSize is the unit of mincore's answer.
+var pageSize = uintptr(os.Getpagesize())
+
+// resident reports whether every page of b is in memory now, as mincore(2)
+// tells: a copy into or out of b then takes no fault that waits for a disk
+// (at most a soft one: a first write to a page that reads as zeros, or one
+// shared copy-on-write). Pages can leave between this look and the copy;
+// that window is microseconds. The look costs one short system call per
+// 512 KiB (it reads page tables and touches none of b); registered parts
+// that follow each other in memory are looked at in one call.
+func resident(b []byte) bool {
+	if len(b) == 0 {
+		return true
+	}
+	return residentRange(uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)))
+}
+
+// residentRange is resident for the n bytes at start.
+func residentRange(start, n uintptr) bool {
+	var vec [maxGuardedCopy/4096 + 2]byte
+	for n > 0 {
+		chunk := min(n, maxGuardedCopy)
+		base := start &^ (pageSize - 1)
+		length := start + chunk - base
+		pages := (length + pageSize - 1) / pageSize
+		if pages > uintptr(len(vec)) {
+			return false
+		}
+		_, _, errno := unix.RawSyscall(unix.SYS_MINCORE, base, length, uintptr(unsafe.Pointer(&vec[0])))
+		if errno != 0 {
+			return false
+		}
+		for _, v := range vec[:pages] {
+			if v&1 == 0 {
+				return false
+			}
+		}
+		start, n = start+chunk, n-chunk
+	}
+	return true
 }
 
 // readGuarded fills dst from the socket, entering g around each read. Once
@@ -139,7 +243,7 @@ func (c *rawConn) readv(dst, tail []byte, g guard, wait bool) (nd, nt int, refus
 		for {
 			switch {
 			case guarded:
-				n, opErr = rawIO(unix.SYS_READV, int(fd), dst, tail, nil)
+				n, opErr = rawIO(unix.SYS_READV, int(fd), dst, tail, nil, dst)
 			case len(tail) == 0:
 				n, opErr = unix.Read(int(fd), dst)
 			case len(dst) == 0:
@@ -156,6 +260,9 @@ func (c *rawConn) readv(dst, tail []byte, g guard, wait bool) (nd, nt int, refus
 		}
 		if opErr == unix.EAGAIN {
 			if wait {
+				if c.beforeWait != nil {
+					c.beforeWait()
+				}
 				return false
 			}
 			blocked = true
@@ -178,7 +285,8 @@ func (c *rawConn) readv(dst, tail []byte, g guard, wait bool) (nd, nt int, refus
 // discard reads and drops n bytes.
 func (c *rawConn) discard(n int) error {
 	for n > 0 {
-		chunk := c.scratch[:min(n, len(c.scratch))]
+		scratch := c.scratchBuf(false)
+		chunk := scratch[:min(n, len(scratch))]
 		var m int
 		var opErr error
 		rerr := c.rc.Read(func(fd uintptr) bool {
@@ -188,7 +296,13 @@ func (c *rawConn) discard(n int) error {
 					break
 				}
 			}
-			return opErr != unix.EAGAIN
+			if opErr == unix.EAGAIN {
+				if c.beforeWait != nil {
+					c.beforeWait()
+				}
+				return false
+			}
+			return true
 		})
 		if err := sockErr(rerr, opErr, m); err != nil {
 			return err
@@ -231,7 +345,7 @@ func (c *rawConn) writeGuarded(hdr, payload []byte, g guard, trailer ...byte) (s
 			for {
 				switch {
 				case usesPayload && g != nil:
-					n, opErr = rawIO(unix.SYS_WRITEV, int(fd), hdr[h:], pl, tr)
+					n, opErr = rawIO(unix.SYS_WRITEV, int(fd), hdr[h:], pl, tr, pl)
 				case len(parts) == 1:
 					n, opErr = unix.Write(int(fd), parts[0])
 				default:
@@ -270,15 +384,17 @@ func (c *rawConn) writeGuarded(hdr, payload []byte, g guard, trailer ...byte) (s
 	return sent, nil, nil
 }
 
-// errRefusedMidWrite says a guard refused while a gathered write was under
-// way: the frame is torn and the connection must be closed.
+// errRefusedMidWrite says a guard refused while an initiator's gathered
+// write was under way (our own memory was unregistered): the frame is torn
+// and the path must be closed.
 var errRefusedMidWrite = fmt.Errorf("%w: memory refused mid-write", transport.ErrRefused)
 
 // writevGuards writes all of iov, entering every guard around each
 // syscall; a refusal stops the write (see errRefusedMidWrite). After a
 // refusal or a socket error the stream holds a torn frame and the
-// connection must be closed.
-func (c *rawConn) writevGuards(iov [][]byte, guards []transport.Guard) error {
+// connection must be closed. The initiator's sender uses it; the owner,
+// whose refusals must leave the connection whole, uses writevParts.
+func (c *rawConn) writevGuards(iov [][]byte, user []bool, guards []transport.Guard) error {
 	for len(iov) > 0 {
 		var n int
 		var opErr, refusal error
@@ -303,7 +419,7 @@ func (c *rawConn) writevGuards(iov [][]byte, guards []transport.Guard) error {
 				}
 			}
 			for {
-				n, opErr = rawWritev(int(fd), lim)
+				n, opErr = rawWritev(int(fd), lim, user)
 				if opErr != unix.EINTR {
 					break
 				}
@@ -324,30 +440,181 @@ func (c *rawConn) writevGuards(iov [][]byte, guards []transport.Guard) error {
 		for n > 0 {
 			if n >= len(iov[0]) {
 				n -= len(iov[0])
-				iov = iov[1:]
+				iov, user = iov[1:], user[1:]
 			} else {
 				iov[0] = iov[0][n:]
 				n = 0
 			}
 		}
 		for len(iov) > 0 && len(iov[0]) == 0 {
-			iov = iov[1:]
+			iov, user = iov[1:], user[1:]
 		}
 	}
 	return nil
 }
 
+// gatherPart is one payload of a gathered write (a READ's data), copied
+// from memory that its guard covers.
+type gatherPart struct {
+	g       transport.Guard
+	iov     int   // index of the payload in the write's iov
+	sent    int   // payload bytes sent from memory
+	refusal error // g's refusal, once it refused
+	zeros   int   // after the refusal: zero bytes still to send in its place
+}
+
+// span is what one syscall sends of iov entry j: n bytes, from the entry
+// or, for a refused part (part >= 0), from zeros.
+type span struct{ j, n, part int }
+
+// writevParts writes all of iov, entering around each syscall the guards of
+// the parts whose payload that syscall reads, and only those. When a guard
+// refuses, zeros stand in for the rest of its payload, so the frame stays
+// whole and the connection, with every other part on it, goes on; refused
+// is called at once, before any byte after that payload is written, so it
+// can rewrite the frame that follows (the READ_DONE saying so). parts are
+// in iov order. After a socket error the stream holds a torn frame and the
+// connection must be closed.
+func (c *rawConn) writevParts(iov [][]byte, parts []gatherPart, refused func(p *gatherPart)) error {
+	pos, off := 0, 0 // the first byte not yet written is iov[pos][off] (zeros: parts[k].zeros)
+	first := 0       // the first part at pos or after it
+	left := func(j int) int {
+		if k := partAt(parts, first, j); k >= 0 && parts[k].refusal != nil {
+			return parts[k].zeros
+		}
+		if j == pos {
+			return len(iov[j]) - off
+		}
+		return len(iov[j])
+	}
+	for {
+		for first < len(parts) && parts[first].iov < pos {
+			first++
+		}
+		for pos < len(iov) && left(pos) == 0 {
+			pos, off = pos+1, 0
+			for first < len(parts) && parts[first].iov < pos {
+				first++
+			}
+		}
+		if pos == len(iov) {
+			return nil
+		}
+		// At most maxGuardedCopy bytes per syscall, as for single copies.
+		// Zeros come from the one scratch buffer, so they end the list.
+		lim, spans, user := c.iovLim[:0], c.spans[:0], c.limUser[:0]
+		total := 0
+		for j := pos; j < len(iov) && total < maxGuardedCopy && len(lim) < maxRawIov; j++ {
+			n := min(left(j), maxGuardedCopy-total)
+			if n == 0 {
+				continue
+			}
+			k := partAt(parts, first, j)
+			if k >= 0 && parts[k].refusal != nil {
+				n = min(n, scratchLen)
+				lim = append(lim, c.scratchBuf(false)[:n])
+				spans = append(spans, span{j, n, k})
+				user = append(user, false)
+				break
+			}
+			start := 0
+			if j == pos {
+				start = off
+			}
+			lim = append(lim, iov[j][start:start+n])
+			spans = append(spans, span{j, n, k})
+			user = append(user, k >= 0)
+			total += n
+		}
+		c.iovLim, c.spans, c.limUser = lim, spans, user
+		var n int
+		var opErr error
+		refusedAt := -1
+		werr := c.rc.Write(func(fd uintptr) bool {
+			entered := 0
+			for ; entered < len(spans); entered++ {
+				if k := spans[entered].part; k >= 0 && parts[k].refusal == nil {
+					if e := parts[k].g.Enter(); e != nil {
+						parts[k].refusal, refusedAt = e, k
+						break
+					}
+				}
+			}
+			if refusedAt < 0 {
+				for {
+					n, opErr = rawWritev(int(fd), lim, user)
+					if opErr != unix.EINTR {
+						break
+					}
+				}
+			}
+			for _, sp := range spans[:entered] {
+				if k := sp.part; k >= 0 && parts[k].refusal == nil {
+					parts[k].g.Leave()
+				}
+			}
+			return refusedAt >= 0 || opErr != unix.EAGAIN
+		})
+		if refusedAt >= 0 {
+			p := &parts[refusedAt]
+			c.scratchBuf(true) // the zeros sent from here on
+			p.zeros = len(iov[p.iov]) - p.sent
+			refused(p)
+			continue
+		}
+		if werr != nil {
+			return werr
+		}
+		if opErr != nil {
+			return opErr
+		}
+		// Spans before the last are written whole when a later one is
+		// written at all: the kernel writes an iov in order.
+		for _, sp := range spans {
+			if n == 0 {
+				break
+			}
+			m := min(n, sp.n)
+			n -= m
+			if sp.part >= 0 && parts[sp.part].refusal != nil {
+				parts[sp.part].zeros -= m
+				pos, off = sp.j, 0
+				continue
+			}
+			if sp.part >= 0 {
+				parts[sp.part].sent += m
+			}
+			if sp.j == pos {
+				off += m
+			} else {
+				pos, off = sp.j, m
+			}
+		}
+	}
+}
+
+// partAt returns the index of the part whose payload is iov entry j, or
+// -1; parts before first lie before j.
+func partAt(parts []gatherPart, first, j int) int {
+	for k := first; k < len(parts) && parts[k].iov <= j; k++ {
+		if parts[k].iov == j {
+			return k
+		}
+	}
+	return -1
+}
+
 // finishFrame writes the rest of a frame after a refusal: what is left of
 // its header, then n zero bytes in place of the payload not sent.
 func (c *rawConn) finishFrame(header []byte, n int) error {
-	clear(c.scratch)
+	scratch := c.scratchBuf(true)
 	if len(header) > 0 {
 		if _, _, err := c.writeGuarded(header, nil, nil); err != nil {
 			return err
 		}
 	}
 	for n > 0 {
-		chunk := c.scratch[:min(n, len(c.scratch))]
+		chunk := scratch[:min(n, len(scratch))]
 		if _, _, err := c.writeGuarded(nil, chunk, nil); err != nil {
 			return err
 		}

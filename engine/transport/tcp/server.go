@@ -1,10 +1,14 @@
 package tcp
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
+	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvferry/kvferry/engine/transport"
@@ -27,13 +31,87 @@ type ownerConn struct {
 	// Reused by serveReads.
 	gatherHdrs   []header
 	gatherIov    [][]byte
-	gatherGuards []transport.Guard
+	gatherParts  []gatherPart
 	gatherFrames [2 * maxGatheredReads * HeaderSize]byte
 	// answers are WRITE_ACKs not yet written: they go out together when
 	// the socket has nothing more to read, or once enough piled up.
 	answers      []byte
 	answerBytes  uint64 // payload bytes the pending answers acknowledge
 	answerFrames int
+
+	remote   string // the peer's address, for logs
+	ip       string // its IP address: the key of its rate-limited warnings
+	goAwayOK bool   // the initiator's HELLO said it understands GOAWAY
+	lastSeq  uint64 // seq of the last request header read
+
+	// Read deadlines, armed by armRead only when a read is about to wait.
+	frameLen   int       // payload bytes of the frame being read; 0 while reading a header
+	frameStart time.Time // when the frame being read was first waited for; zero if not yet
+	idle       bool      // the deadline armed last is the idle one
+	deadline   time.Time // the read deadline armed last; zero if none
+}
+
+// Errors that end an owner connection for its reads' deadlines.
+var (
+	errIdle      = errors.New("no request within the idle timeout")
+	errSlowFrame = fmt.Errorf("%w: frame too slow", transport.ErrConnection)
+)
+
+// testHookGoAway, set by tests only, runs when an owner has found a
+// connection idle, before it sends GOAWAY and closes it: a test posts a
+// request then, as an initiator might at that very moment.
+var testHookGoAway atomic.Pointer[func()]
+
+// goAwayLinger bounds how long an owner reads and drops an initiator's
+// bytes after its GOAWAY, waiting for the initiator to close its side.
+const goAwayLinger = 2 * time.Second
+
+// frameTime is how long a frame of length payload bytes may take to arrive.
+func (t *Transport) frameTime(length int) time.Duration {
+	return t.opts.FrameTimeout + time.Duration(int64(HeaderSize+length)*int64(time.Second)/int64(t.opts.MinRate))
+}
+
+// armRead sets the read deadline before a read waits for the socket: the
+// idle timeout when no byte of the next request came yet, otherwise the
+// frame's own deadline, counted from the first wait inside the frame. It is
+// set here rather than per frame, so a connection whose bytes are always
+// there already makes no call for it.
+func (c *ownerConn) armRead() {
+	now := time.Now()
+	if c.frameLen == 0 && c.inEnd == c.inStart {
+		c.idle, c.deadline = true, now.Add(c.t.opts.IdleTimeout)
+	} else {
+		if c.frameStart.IsZero() {
+			c.frameStart = now
+		}
+		c.idle, c.deadline = false, c.frameStart.Add(c.t.frameTime(c.frameLen))
+	}
+	_ = c.conn.SetReadDeadline(c.deadline)
+}
+
+// startFrame begins the wait for a frame of length payload bytes (0: a
+// header). A deadline armed for an earlier wait is cleared: Go checks it
+// before every read, even one that need not wait, so it could strike after
+// the owner took long to admit or apply a request; and the idle one must
+// never strike while a request is in progress, since GOAWAY says every
+// request read was answered.
+func (c *ownerConn) startFrame(length int) {
+	c.frameLen, c.frameStart, c.idle = length, time.Time{}, false
+	if !c.deadline.IsZero() {
+		c.deadline = time.Time{}
+		_ = c.conn.SetReadDeadline(c.deadline)
+	}
+}
+
+// readErr names a read's deadline error after the deadline that fired.
+func (c *ownerConn) readErr(err error) error {
+	if err == nil || !errors.Is(err, os.ErrDeadlineExceeded) {
+		return err
+	}
+	if c.idle {
+		return fmt.Errorf("%w: %w", errIdle, err)
+	}
+	return fmt.Errorf("%w: a frame of %d payload bytes not whole within %v: %w", errSlowFrame, c.frameLen, c.t.frameTime(c.frameLen), err)
 }
 
 // Answers are held back at most this long, in frames and in payload bytes
@@ -46,39 +124,42 @@ const (
 // serve runs one owner-side connection: handshake, then frames in order until
 // the peer closes or breaks the protocol. Owner memory is touched only inside
 // Target.Enter/Leave around non-blocking syscalls.
-func (t *Transport) serve(conn *net.TCPConn) {
+func (t *Transport) serve(conn *net.TCPConn, peer netip.Addr) {
 	defer t.wg.Done()
 	defer conn.Close()
 	rc, err := conn.SyscallConn()
 	if err != nil {
 		return
 	}
-	c := &ownerConn{t: t, conn: conn, raw: newRawConn(rc)}
+	c := &ownerConn{t: t, conn: conn, raw: newRawConn(rc), remote: conn.RemoteAddr().String(), ip: peer.String()}
 	var h header
 	_ = conn.SetReadDeadline(time.Now().Add(t.opts.HandshakeTimeout))
 	if err := c.raw.readFull(c.in[:HeaderSize]); err != nil {
-		t.protoErr(conn, "handshake", err)
+		t.handshakeErr(c, err)
 		return
 	}
 	if err := h.decode(c.in[:HeaderSize]); err != nil || h.typ != frameHello {
-		t.protoErr(conn, "handshake", fmt.Errorf("%w: want HELLO, got type %d (%v)", errBadFrame, h.typ, err))
+		t.protoErr(c, "handshake", fmt.Errorf("%w: want HELLO, got type %d (%v)", errBadFrame, h.typ, err))
 		return
 	}
 	name := make([]byte, h.length)
 	if err := c.raw.readFull(name); err != nil {
-		t.protoErr(conn, "handshake", err)
+		t.handshakeErr(c, err)
 		return
 	}
 	_ = conn.SetReadDeadline(time.Time{})
 	initiator := string(name)
+	c.goAwayOK = h.done&helloGoAway != 0
 	c.answer(&header{typ: frameHelloAck, seq: h.seq}, 0)
 	if err := c.flush(); err != nil {
 		return
 	}
+	c.raw.beforeWait = c.armRead
 	var a transport.Access
 	for {
+		c.startFrame(0)
 		if err := c.readHeader(&h); err != nil {
-			t.connEnded(conn, initiator, err)
+			t.connEnded(c, initiator, err)
 			return
 		}
 		a = transport.Access{
@@ -100,9 +181,34 @@ func (t *Transport) serve(conn *net.TCPConn) {
 			err = fmt.Errorf("%w: unexpected type %d from an initiator", errBadFrame, h.typ)
 		}
 		if err != nil {
-			t.connEnded(conn, initiator, err)
+			t.connEnded(c, initiator, err)
 			return
 		}
+	}
+}
+
+// goAway closes an idle connection: it tells an initiator that understands
+// it which requests were read (all of them answered), so the initiator
+// posts the rest again on a new connection instead of failing them, and
+// then reads and drops whatever the initiator sent meanwhile until it
+// closes its side. Closing with unread bytes would reset the connection,
+// and a reset can destroy the GOAWAY before the initiator reads it.
+func (c *ownerConn) goAway() {
+	c.t.stats.idleClosed.Add(1)
+	if hook := testHookGoAway.Load(); hook != nil {
+		(*hook)()
+	}
+	if !c.goAwayOK {
+		return
+	}
+	c.answer(&header{typ: frameGoAway, seq: c.lastSeq}, 0)
+	if err := c.flush(); err != nil {
+		return
+	}
+	_ = c.conn.CloseWrite()
+	c.raw.beforeWait = nil
+	_ = c.conn.SetReadDeadline(time.Now().Add(goAwayLinger))
+	for c.raw.discard(scratchLen) == nil {
 	}
 }
 
@@ -121,7 +227,7 @@ func (c *ownerConn) readHeader(h *header) error {
 		}
 		_, n, _, err := c.raw.readv(nil, c.in[c.inEnd:limit], nil, len(c.answers) == 0)
 		if err != nil {
-			return err
+			return c.readErr(err)
 		}
 		if n == 0 {
 			if err := c.flush(); err != nil {
@@ -133,7 +239,11 @@ func (c *ownerConn) readHeader(h *header) error {
 	}
 	hb := c.in[c.inStart : c.inStart+HeaderSize]
 	c.inStart += HeaderSize
-	return h.decode(hb)
+	if err := h.decode(hb); err != nil {
+		return err
+	}
+	c.lastSeq = h.seq
+	return nil
 }
 
 // takeBuffered hands over up to n payload bytes read ahead with headers.
@@ -180,11 +290,12 @@ func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 	c.lastWrite = true
 	tgt, err := t.owner.Admit(*a)
 	if err != nil {
+		c.startFrame(int(h.length)) // the payload's deadline runs from here
 		ack.status = statusOf(err)
 		t.stats.refused.Add(1)
 		ahead := c.takeBuffered(int(h.length))
 		if err := c.raw.discard(int(h.length) - len(ahead)); err != nil {
-			return err
+			return c.readErr(err)
 		}
 		c.answer(&ack, 0)
 		return c.flushIfFull()
@@ -195,6 +306,7 @@ func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 	if t.opts.ApplyDelay > 0 {
 		time.Sleep(t.opts.ApplyDelay)
 	}
+	c.startFrame(int(h.length)) // the payload's deadline runs from here
 	landed := 0
 	var refusal error
 	if ahead := c.takeBuffered(len(tgt.Mem)); len(ahead) > 0 {
@@ -202,7 +314,7 @@ func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 			landed = copy(tgt.Mem, ahead)
 			tgt.Guard.Leave()
 		} else if err := c.raw.discard(len(tgt.Mem) - len(ahead)); err != nil {
-			return err
+			return c.readErr(err)
 		}
 	}
 	if refusal == nil && landed < len(tgt.Mem) {
@@ -211,7 +323,7 @@ func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 		var n, tail int
 		n, tail, refusal, err = c.raw.readGuarded(tgt.Mem[landed:], tgt.Guard, c.in[:HeaderSize])
 		if err != nil {
-			return err
+			return c.readErr(err)
 		}
 		landed += n
 		c.inStart, c.inEnd = 0, tail
@@ -249,11 +361,12 @@ const maxGatheredReads = 16
 
 // serveReads answers h and the READs read ahead behind it in one gathered
 // write: per READ, READ_DATA, its payload and READ_DONE, or READ_DONE alone
-// for a refusal at admission. All admitted ranges are entered around each
-// syscall; a refusal that strikes mid-write (memory unregistered, request
-// aborted) stops the write before another byte of that memory goes out and
-// closes the connection (the frame is torn), so the initiator retries and
-// is refused at admission.
+// for a refusal at admission. Around each syscall the guards of the ranges
+// it reads are entered; a refusal that strikes mid-write (memory
+// unregistered, request aborted) stops that READ's bytes: zeros stand in
+// for the rest of its payload and its READ_DONE says refused, with the
+// bytes sent from memory. The frames stay whole, so the connection and the
+// other READs on it go on undisturbed.
 func (c *ownerConn) serveReads(first *header, initiator string) error {
 	t := c.t
 	c.lastWrite = false
@@ -269,7 +382,7 @@ func (c *ownerConn) serveReads(first *header, initiator string) error {
 		total += int(h.length)
 	}
 	iov := append(c.gatherIov[:0], c.answers)
-	guards := c.gatherGuards[:0]
+	parts := c.gatherParts[:0]
 	var stages []transport.Stage
 	defer func() {
 		for _, st := range stages {
@@ -277,7 +390,6 @@ func (c *ownerConn) serveReads(first *header, initiator string) error {
 		}
 	}()
 	frames := c.gatherFrames[:0] // never grows: 2 headers per READ at most
-	sent := 0
 	for i := range hs {
 		h := &hs[i]
 		a := transport.Access{Op: transport.Read, Initiator: initiator, RequestID: h.requestID, Generation: h.generation,
@@ -300,26 +412,36 @@ func (c *ownerConn) serveReads(first *header, initiator string) error {
 		data := header{typ: frameReadData, seq: h.seq, requestID: h.requestID, generation: h.generation, length: h.length}
 		done.done = uint64(len(tgt.Mem))
 		frames = append(frames, frameBytes(&data)...)
-		iov = append(iov, frames[len(frames)-HeaderSize:], tgt.Mem)
+		iov = append(iov, frames[len(frames)-HeaderSize:])
+		parts = append(parts, gatherPart{g: tgt.Guard, iov: len(iov)})
+		iov = append(iov, tgt.Mem)
 		frames = append(frames, frameBytes(&done)...)
 		iov = append(iov, frames[len(frames)-HeaderSize:])
-		guards = append(guards, tgt.Guard)
-		sent += len(tgt.Mem)
 	}
-	c.gatherHdrs, c.gatherIov, c.gatherGuards = hs[:0], iov[:0], guards[:0]
+	c.gatherHdrs = hs[:0]
 	_ = c.conn.SetWriteDeadline(time.Now().Add(t.opts.IOTimeout))
-	err := c.raw.writevGuards(iov, guards)
+	err := c.raw.writevParts(iov, parts, func(p *gatherPart) {
+		// The READ_DONE right after the payload has not gone out yet.
+		rewriteDone(iov[p.iov+1], statusOf(p.refusal), uint64(p.sent))
+		t.stats.refused.Add(1)
+		t.stats.refusedInFlight.Add(1)
+	})
 	c.answers, c.answerFrames, c.answerBytes = c.answers[:0], 0, 0
-	clear(guards)
-	if err != nil {
-		if errors.Is(err, errRefusedMidWrite) {
-			t.stats.refused.Add(1)
-			t.stats.refusedInFlight.Add(1)
-		}
-		return err
+	sent := 0
+	for i := range parts {
+		sent += parts[i].sent
 	}
 	t.stats.bytesOut.Add(uint64(sent))
-	return nil
+	clear(parts) // drop the guards
+	clear(iov)   // and the views of owner memory
+	c.gatherParts, c.gatherIov = parts[:0], iov[:0]
+	return err
+}
+
+// rewriteDone sets the status and the bytes done of an encoded READ_DONE.
+func rewriteDone(b []byte, status uint32, done uint64) {
+	binary.LittleEndian.PutUint32(b[4:], status)
+	binary.LittleEndian.PutUint64(b[56:], done)
 }
 
 // enterAndFill checks a READ target's guard and, for staged (GPU) memory,
@@ -394,24 +516,46 @@ func (c *ownerConn) serveRead(h *header, a *transport.Access) error {
 }
 
 // protoErr logs and counts a connection that broke the protocol; the caller
-// then closes it, since a stream out of step cannot be resynchronised.
-func (t *Transport) protoErr(conn net.Conn, peer string, err error) {
+// then closes it, since a stream out of step cannot be resynchronised. The
+// warning is the peer's doing, so it is rate-limited per address.
+func (t *Transport) protoErr(c *ownerConn, peer string, err error) {
 	if t.closing.Load() || isClosed(err) || errors.Is(err, net.ErrClosed) {
 		return
 	}
 	t.stats.protocolErrors.Add(1)
-	t.opts.Logger.Warn("tcp: dropping connection", "peer", peer, "remote", conn.RemoteAddr().String(), "err", err)
+	t.warn.Warn("protocol "+c.ip, "tcp: dropping connection", "peer", peer, "remote", c.remote, "err", err)
+}
+
+// handshakeErr reports a HELLO that did not arrive whole: in time (a frame
+// timeout) or at all.
+func (t *Transport) handshakeErr(c *ownerConn, err error) {
+	if errors.Is(err, os.ErrDeadlineExceeded) && !t.closing.Load() {
+		t.stats.frameTimeouts.Add(1)
+		t.warn.Warn("slow "+c.ip, "tcp: dropping a connection whose HELLO did not arrive in time",
+			"remote", c.remote, "timeout", t.opts.HandshakeTimeout)
+		return
+	}
+	t.protoErr(c, "handshake", err)
 }
 
 // connEnded reports why an owner-side connection ends: a malformed frame is
-// a protocol error (logged and counted); a closed peer, a write deadline (an
-// initiator that stopped reading) or a dead socket is not.
-func (t *Transport) connEnded(conn net.Conn, peer string, err error) {
-	if errors.Is(err, errBadFrame) {
-		t.protoErr(conn, peer, err)
-		return
-	}
-	if !isClosed(err) && !t.closing.Load() {
+// a protocol error (logged and counted); a frame too slow is counted and
+// logged; an idle connection is told so (GOAWAY) and counted; a closed
+// peer, a write deadline (an initiator that stopped reading) or a dead
+// socket is none of these.
+func (t *Transport) connEnded(c *ownerConn, peer string, err error) {
+	switch {
+	case errors.Is(err, errBadFrame):
+		t.protoErr(c, peer, err)
+	case t.closing.Load():
+	case errors.Is(err, errIdle):
+		c.goAway()
+		t.opts.Logger.Debug("tcp: closed an idle connection", "peer", peer, "remote", c.remote, "goaway", c.goAwayOK)
+	case errors.Is(err, errSlowFrame):
+		t.stats.frameTimeouts.Add(1)
+		t.warn.Warn("slow "+c.ip, "tcp: dropping a connection whose frame came too slowly",
+			"peer", peer, "remote", c.remote, "err", err)
+	case !isClosed(err):
 		t.opts.Logger.Debug("tcp: owner connection ended", "peer", peer, "err", err)
 	}
 }

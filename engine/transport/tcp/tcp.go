@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -22,6 +23,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvferry/kvferry/engine/transport"
+	"github.com/kvferry/kvferry/internal/ratelog"
 )
 
 // Options configure a TCP transport. Zero fields take the defaults below.
@@ -37,6 +39,40 @@ type Options struct {
 	// UserTimeout is TCP_USER_TIMEOUT: how long sent data may stay
 	// unacknowledged before the kernel declares the peer dead. Default 10 s.
 	UserTimeout time.Duration
+	// MaxConnsPerPeer caps the data connections accepted from one remote
+	// IP address and open at once, counted from the accept (before the
+	// handshake). The key is the address the kernel connected, not the
+	// name a peer gives in HELLO: names are unauthenticated, so a peer
+	// could dodge a cap per name by inventing names, or use up another
+	// peer's share by borrowing its name. A connection past the cap is
+	// closed at once and counted (Stats.RefusedPerPeer). An IPv6 peer is
+	// keyed by its whole address (hosts of one subnet often share a /64);
+	// MaxConns bounds one that holds many addresses. Default 1024: an
+	// initiator engine opens one connection per path (engine PathsPerPeer,
+	// 4 by default, 64 at most) to each owner, so this leaves room for
+	// sixteen engines per host at the largest path count.
+	MaxConnsPerPeer int
+	// MaxConns caps the data connections accepted and open at once, from
+	// every address together; past it a connection is closed at once and
+	// counted (Stats.RefusedTotal). Default 8192.
+	MaxConns int
+	// IdleTimeout closes an accepted connection on which no request is in
+	// progress (every request read was answered, and no byte of the next
+	// one came) for this long. An initiator that says it understands
+	// GOAWAY (this version's does) is told which requests were read, so it
+	// posts the others again on a new connection without failing them.
+	// Default 2 min.
+	IdleTimeout time.Duration
+	// FrameTimeout and MinRate bound how long one frame may take to
+	// arrive once its first byte was waited for: FrameTimeout plus its
+	// length (header and payload) at MinRate bytes per second. A
+	// connection whose frame is late is closed and counted
+	// (Stats.FrameTimeouts). Defaults 10 s and 1 MiB/s: a 1 MiB slice may
+	// take 11 s, a 64 MiB one 74 s, far slower than any link that
+	// carries KV caches, while a peer trickling bytes to hold a
+	// connection and its memory is cut.
+	FrameTimeout time.Duration
+	MinRate      int
 	// Logger receives connection-level events. Default slog.Default().
 	Logger *slog.Logger
 	// ApplyDelay is for tests only: the owner sleeps this long after
@@ -44,6 +80,15 @@ type Options struct {
 	// can abort while frames are certainly in flight.
 	ApplyDelay time.Duration
 }
+
+// Defaults of Options.
+const (
+	DefaultMaxConnsPerPeer = 1024
+	DefaultMaxConns        = 8192
+	DefaultIdleTimeout     = 2 * time.Minute
+	DefaultFrameTimeout    = 10 * time.Second
+	DefaultMinRate         = 1 << 20
+)
 
 func (o *Options) fill() {
 	if o.ListenHost == "" {
@@ -58,6 +103,21 @@ func (o *Options) fill() {
 	if o.UserTimeout <= 0 {
 		o.UserTimeout = 10 * time.Second
 	}
+	if o.MaxConnsPerPeer <= 0 {
+		o.MaxConnsPerPeer = DefaultMaxConnsPerPeer
+	}
+	if o.MaxConns <= 0 {
+		o.MaxConns = DefaultMaxConns
+	}
+	if o.IdleTimeout <= 0 {
+		o.IdleTimeout = DefaultIdleTimeout
+	}
+	if o.FrameTimeout <= 0 {
+		o.FrameTimeout = DefaultFrameTimeout
+	}
+	if o.MinRate <= 0 {
+		o.MinRate = DefaultMinRate
+	}
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
@@ -71,10 +131,17 @@ type Stats struct {
 	RefusedInFlight uint64 // refusals that struck after some bytes had moved
 	ProtocolErrors  uint64 // connections dropped for a malformed frame
 	AcceptErrors    uint64 // accepts that failed (out of file descriptors, ...), each retried after a backoff
+	Conns           int64  // accepted connections open now
+	RefusedPerPeer  uint64 // accepted connections closed at once: their address had MaxConnsPerPeer open
+	RefusedTotal    uint64 // accepted connections closed at once: MaxConns were open
+	IdleClosed      uint64 // accepted connections closed after IdleTimeout without a request
+	FrameTimeouts   uint64 // accepted connections closed because a frame (HELLO included) came too slowly
+	GoAways         uint64 // our paths an owner closed as idle; their slices it had not read were handed back
 }
 
 type counters struct {
 	bytesIn, bytesOut, refused, refusedInFlight, protocolErrors, acceptErrors atomic.Uint64
+	refusedPerPeer, refusedTotal, idleClosed, frameTimeouts, goAways          atomic.Uint64
 }
 
 // Transport is the TCP transport. It is safe for concurrent use.
@@ -87,6 +154,8 @@ type Transport struct {
 	closing atomic.Bool
 	closed  chan struct{} // closed by Close
 	stats   counters
+	limits  connLimits
+	warn    *ratelog.Limiter // peer-caused warnings
 
 	epMu      sync.Mutex
 	endpoints map[*endpoint]struct{}
@@ -95,7 +164,10 @@ type Transport struct {
 // New returns a TCP transport.
 func New(opts Options) *Transport {
 	opts.fill()
-	return &Transport{opts: opts, conns: connSet{conns: map[net.Conn]struct{}{}}, endpoints: map[*endpoint]struct{}{}, closed: make(chan struct{})}
+	return &Transport{
+		opts: opts, conns: connSet{conns: map[net.Conn]struct{}{}}, endpoints: map[*endpoint]struct{}{}, closed: make(chan struct{}),
+		limits: connLimits{perPeer: map[netip.Addr]int{}}, warn: ratelog.New(opts.Logger),
+	}
 }
 
 // Name returns "tcp".
@@ -155,17 +227,99 @@ func (t *Transport) accept() {
 			continue
 		}
 		backoff = 0
+		peer := remoteIP(c)
+		if !t.admitConn(peer) {
+			_ = c.Close()
+			continue
+		}
 		t.tune(c)
 		if !t.conns.add(c) {
+			t.limits.release(peer)
 			_ = c.Close()
 			return
 		}
 		t.wg.Add(1)
 		go func() {
-			t.serve(c)
+			t.serve(c, peer)
 			t.conns.remove(c)
+			t.limits.release(peer)
 		}()
 	}
+}
+
+// admitConn takes a place for a connection accepted from peer, or counts
+// and reports its refusal: the caller then closes it before reading a byte.
+func (t *Transport) admitConn(peer netip.Addr) bool {
+	switch t.limits.take(peer, t.opts.MaxConnsPerPeer, t.opts.MaxConns) {
+	case connAdmitted:
+		return true
+	case connOverPeer:
+		t.stats.refusedPerPeer.Add(1)
+		t.warn.Warn("conn-cap-peer "+peer.String(), "tcp: refusing a data connection: its address has too many open",
+			"remote", peer.String(), "max_conns_per_peer", t.opts.MaxConnsPerPeer)
+	default:
+		t.stats.refusedTotal.Add(1)
+		t.warn.Warn("conn-cap-total", "tcp: refusing a data connection: too many open",
+			"remote", peer.String(), "max_conns", t.opts.MaxConns)
+	}
+	return false
+}
+
+// remoteIP is the address a connection came from; IPv4 in IPv6 reads as
+// IPv4, so one peer has one key whatever the listening socket's family.
+func remoteIP(c *net.TCPConn) netip.Addr {
+	if a, ok := c.RemoteAddr().(*net.TCPAddr); ok {
+		return a.AddrPort().Addr().Unmap()
+	}
+	return netip.Addr{}
+}
+
+// connLimits counts accepted connections, per remote address and in total.
+type connLimits struct {
+	mu      sync.Mutex
+	total   int
+	perPeer map[netip.Addr]int
+}
+
+// Outcomes of connLimits.take.
+const (
+	connAdmitted = iota
+	connOverPeer
+	connOverTotal
+)
+
+// take counts a connection from peer in unless that reaches a cap.
+func (l *connLimits) take(peer netip.Addr, maxPeer, maxTotal int) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.total >= maxTotal {
+		return connOverTotal
+	}
+	if l.perPeer[peer] >= maxPeer {
+		return connOverPeer
+	}
+	l.total++
+	l.perPeer[peer]++
+	return connAdmitted
+}
+
+// release counts a connection from peer out.
+func (l *connLimits) release(peer netip.Addr) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.total--
+	if n := l.perPeer[peer] - 1; n > 0 {
+		l.perPeer[peer] = n
+	} else {
+		delete(l.perPeer, peer) // the map holds only addresses with connections open
+	}
+}
+
+// open returns the connections counted in.
+func (l *connLimits) open() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.total
 }
 
 // tune sets keepalive and TCP_USER_TIMEOUT, so a dead peer is found without
@@ -269,5 +423,7 @@ func (t *Transport) Stats() Stats {
 		BytesIn: t.stats.bytesIn.Load(), BytesOut: t.stats.bytesOut.Load(),
 		Refused: t.stats.refused.Load(), RefusedInFlight: t.stats.refusedInFlight.Load(),
 		ProtocolErrors: t.stats.protocolErrors.Load(), AcceptErrors: t.stats.acceptErrors.Load(),
+		Conns: int64(t.limits.open()), RefusedPerPeer: t.stats.refusedPerPeer.Load(), RefusedTotal: t.stats.refusedTotal.Load(),
+		IdleClosed: t.stats.idleClosed.Load(), FrameTimeouts: t.stats.frameTimeouts.Load(), GoAways: t.stats.goAways.Load(),
 	}
 }

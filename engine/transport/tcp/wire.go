@@ -23,7 +23,8 @@ import (
 //	32 u64 buffer key
 //	40 u64 address    owner address
 //	48 u64 grant id
-//	56 u64 done       bytes applied (WRITE_ACK) or valid (READ_DONE)
+//	56 u64 done       bytes applied (WRITE_ACK) or valid (READ_DONE); in
+//	                  HELLO, the initiator's feature bits (helloGoAway)
 const (
 	HeaderSize   = 64
 	magic        = 0x464b // "KF"
@@ -42,7 +43,18 @@ const (
 	frameRead     = 5 // initiator -> owner
 	frameReadData = 6 // owner -> initiator, payload: the bytes read (zeros past a refusal)
 	frameReadDone = 7 // owner -> initiator, after READ_DATA or instead of it
+	// frameGoAway (owner -> initiator) says the owner closes the
+	// connection as idle: it answered every request up to seq and read
+	// nothing after, so the initiator may post the others again
+	// elsewhere. Sent only to initiators whose HELLO set helloGoAway.
+	frameGoAway = 8
 )
+
+// helloGoAway, in HELLO's done field, says the initiator understands
+// GOAWAY. An owner of an older version ignores the field, and an older
+// initiator leaves it 0, so either side may be older: its idle connections
+// are then simply closed.
+const helloGoAway = 1
 
 // Statuses in answers. Every non-zero status is a refusal, final for its
 // request.
@@ -121,7 +133,7 @@ func (h *header) decode(b []byte) error {
 		if h.length == 0 || h.length > MaxSliceLength {
 			return fmt.Errorf("%w: length %d", errBadFrame, h.length)
 		}
-	case frameHelloAck, frameWriteAck, frameReadDone:
+	case frameHelloAck, frameWriteAck, frameReadDone, frameGoAway:
 		if h.length != 0 {
 			return fmt.Errorf("%w: length %d on a frame without payload", errBadFrame, h.length)
 		}
