@@ -365,19 +365,21 @@ type Stats struct {
 	EventsDropped uint64 // events dropped because the queue was full
 	Notifications uint64 // notifications received and queued
 	// RDMA (zero without the rdma transport).
-	RDMANICs          int    // NIC ports in use
-	RDMAWorkRequests  uint64 // work requests posted
-	RDMAErrorWCs      uint64 // completions with an error status
-	RDMAFailovers     uint64 // NIC paths that failed under work and were reconnected
-	RDMAFences        uint64 // owner-side fences of an initiator's QPs
-	RDMAFencesPending int    // aborts whose fenced initiator has not acknowledged yet
-	RDMANotifications uint64 // notifications received in-band
-	RDMAGPUDmabuf     uint64 // GPU memory registrations through dma-buf
-	RDMAGPUPeermem    uint64 // GPU memory registrations as is (nvidia-peermem)
-	RDMAStalls        uint64 // NIC paths broken because no work request completed within RDMACompletionTimeout
-	RDMAKeyRequests   uint64 // rkey requests answered as owner (one per new request id and key on a path)
-	RDMAHolders       int    // (initiator, request id) pairs holding rkeys from us: an abort covers these initiators
-	RDMAKeyReleases   uint64 // releases taken from initiators that dropped rkeys unused for a second or more
+	RDMANICs            int    // NIC ports in use
+	RDMAWorkRequests    uint64 // work requests posted
+	RDMAErrorWCs        uint64 // completions with an error status
+	RDMAFailovers       uint64 // NIC paths that failed under work and were reconnected
+	RDMAFences          uint64 // owner-side fences of an initiator's QPs
+	RDMAFencesPending   int    // aborts whose fenced initiator has not acknowledged yet
+	RDMANotifications   uint64 // notifications received in-band
+	RDMAGPUDmabuf       uint64 // GPU memory registrations through dma-buf
+	RDMAGPUPeermem      uint64 // GPU memory registrations as is (nvidia-peermem)
+	RDMAStalls          uint64 // NIC paths broken because no work request completed within RDMACompletionTimeout
+	RDMAKeyRequests     uint64 // rkey requests answered as owner (one per new request id and key on a path)
+	RDMAHolders         int    // (initiator, request id) pairs holding rkeys from us: an abort covers these initiators
+	RDMAKeyReleases     uint64 // releases taken from initiators that dropped rkeys unused for a second or more
+	RDMAResponderQPs    int    // QPs made for initiators connected to us (at most 16384)
+	RDMAConnectsRefused uint64 // initiators' connect requests refused: the responder QP cap reached
 	// RDMAPostedByNIC counts work requests posted per local NIC port
 	// ("name:port"): how work stripes across NICs.
 	RDMAPostedByNIC map[string]uint64
@@ -408,6 +410,7 @@ func (e *Engine) Stats() Stats {
 		RDMANotifications: rs2.Notifies, RDMAGPUDmabuf: rs2.DmabufMRs, RDMAGPUPeermem: rs2.PeermemMRs,
 		RDMAStalls: rs2.Stalls, RDMAPostedByNIC: rs2.PostedByNIC,
 		RDMAKeyRequests: rs2.KeyRequests, RDMAHolders: rs2.Holders, RDMAKeyReleases: rs2.Releases,
+		RDMAResponderQPs: rs2.ResponderQPs, RDMAConnectsRefused: rs2.ConnectsRefused,
 		AbortsSafe: e.stats.abortsSafe.Load(), AbortsNotSafe: e.stats.abortsNotSafe.Load(),
 		AbortAcks: e.stats.abortAcks.Load(), AcksUnmatched: e.stats.acksUnmatched.Load(),
 		AbortResends: e.stats.abortResends.Load(), Tombstones: rs.Tombstones, Grants: rs.Grants,

@@ -140,6 +140,7 @@ func (t *Transport) destroyResponder(qp *verbs.QP) {
 	_ = qp.ToError()
 	t.dropRecvs(qp)
 	_ = qp.Destroy()
+	t.stats.respQPs.Add(-1)
 }
 
 // received takes a receive's completion (on the poller): the notification

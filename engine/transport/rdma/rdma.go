@@ -90,6 +90,9 @@ type Options struct {
 	// (on a NIC's poller: it must not block).
 	OnNotify func(initiator string, requestID uint64, data []byte)
 	Logger   *slog.Logger
+	// MaxResponderQPs caps the QPs made for initiators connected to us;
+	// 0 takes DefaultMaxResponderQPs.
+	MaxResponderQPs int
 }
 
 // NIC is one opened device port the transport uses.
@@ -157,6 +160,8 @@ type counters struct {
 	Posted, Completed, ErrorCompletions, Failovers, Fences, Reconnects atomic.Uint64
 	Notifies, BadNotifies, DmabufMRs, PeermemMRs, Stalls               atomic.Uint64
 	KeyRequests, HolderEvictions, Releases                             atomic.Uint64
+	ConnectsRefused                                                    atomic.Uint64
+	respQPs                                                            atomic.Int64 // responder QPs made and not destroyed
 }
 
 // Stats is a snapshot of the transport's counters.
@@ -176,6 +181,8 @@ type Stats struct {
 	Holders          int               // (initiator, request id) pairs holding rkeys from us
 	HolderEvictions  uint64            // initiators cut because they held rkeys for too many requests
 	Releases         uint64            // releases of rkeys no longer used, taken as owner
+	ResponderQPs     int               // QPs made for initiators connected to us
+	ConnectsRefused  uint64            // connect requests refused: MaxResponderQPs reached
 	PostedByNIC      map[string]uint64 // work requests posted per NIC ("name:port")
 }
 
@@ -188,7 +195,7 @@ func (t *Transport) Stats() Stats {
 		DmabufMRs: t.stats.DmabufMRs.Load(), PeermemMRs: t.stats.PeermemMRs.Load(),
 		Stalls: t.stats.Stalls.Load(), PostedByNIC: t.postedByNIC(),
 		KeyRequests: t.stats.KeyRequests.Load(), Holders: t.holds.count(), HolderEvictions: t.stats.HolderEvictions.Load(),
-		Releases: t.stats.Releases.Load(),
+		Releases: t.stats.Releases.Load(), ResponderQPs: int(t.stats.respQPs.Load()), ConnectsRefused: t.stats.ConnectsRefused.Load(),
 	}
 }
 
@@ -231,6 +238,9 @@ func New(opts Options) (*Transport, error) {
 	}
 	if opts.RetryCount == 0 || opts.RetryCount > 6 {
 		opts.RetryCount = 6
+	}
+	if opts.MaxResponderQPs <= 0 {
+		opts.MaxResponderQPs = DefaultMaxResponderQPs
 	}
 	if opts.CompletionTimeout <= 0 {
 		opts.CompletionTimeout = 10 * time.Second
@@ -645,6 +655,13 @@ func trunc(s string) string {
 	return s
 }
 
+// DefaultMaxResponderQPs caps the QPs an owner makes for initiators
+// connected to it, all together (a legitimate initiator engine needs PathsPerPeer paths
+// of at most 16 NIC pairs: 64 at the defaults, 1024 at most). Past it a
+// connect request is refused and the initiator's transfer fails over to
+// tcp or fails.
+const DefaultMaxResponderQPs = 16384
+
 func (t *Transport) serveConnect(from string, req *connectReq) ([]byte, error) {
 	for _, p := range req.Pairs {
 		if int(p.Remote) >= len(t.nics) {
@@ -656,6 +673,14 @@ func (t *Transport) serveConnect(from string, req *connectReq) ([]byte, error) {
 			return nil, err // early, to spare the QPs; checked again below
 		}
 	}
+	// Every QP counts against Options.MaxResponderQPs from before it is made: any
+	// peer can ask, under any name, and QPs are the NIC's to lose.
+	reserved := int64(len(req.Pairs))
+	if n := t.stats.respQPs.Add(reserved); n > int64(t.opts.MaxResponderQPs) {
+		t.stats.respQPs.Add(-reserved)
+		t.stats.ConnectsRefused.Add(1)
+		return nil, fmt.Errorf("rdma: %d responder QPs in use, %d more asked (at most %d)", n-reserved, reserved, t.opts.MaxResponderQPs)
+	}
 	// The QPs are made without connMu, so a Fence never waits for verbs
 	// calls; nothing reaches them before the initiator has the reply.
 	reply := &connectReply{}
@@ -665,6 +690,7 @@ func (t *Transport) serveConnect(from string, req *connectReq) ([]byte, error) {
 			_ = q.ToError()
 			_ = q.Destroy()
 		}
+		t.stats.respQPs.Add(-reserved)
 	}
 	for _, p := range req.Pairs {
 		n := t.nics[p.Remote]
@@ -883,6 +909,7 @@ func (t *Transport) cut(ctx context.Context, initiator string) error {
 	for _, q := range qps {
 		t.dropRecvs(q)
 		_ = q.Destroy()
+		t.stats.respQPs.Add(-1)
 	}
 	if len(errs) > 0 {
 		// A QP that did not reach the error state may still execute.
