@@ -329,6 +329,7 @@ type Stats struct {
 	ConnsRefused  uint64 // accepted data connections closed at once, at TCPMaxConnsPerPeer or TCPMaxConns
 	IdleClosed    uint64 // data connections closed after TCPIdleTimeout without a request
 	FrameTimeouts uint64 // data connections closed because a frame came too slowly (TCPFrameTimeout, TCPMinRate)
+	AcceptErrors  uint64 // failed accepts on the data port (out of file descriptors...); the loop backs off and goes on
 	// TCP paths, as initiator.
 	PathsIdledOut uint64 // our paths an owner closed as idle; their slices it had not read were posted again
 
@@ -426,7 +427,7 @@ func (e *Engine) Stats() Stats {
 		Retries: e.stats.retries.Load(), OwnerBytesIn: t.BytesIn, OwnerBytesOut: t.BytesOut,
 		OwnerRefused: t.Refused, RefusedInFlight: t.RefusedInFlight, ProtocolErrors: t.ProtocolErrors,
 		DataConns: t.Conns, ConnsRefused: t.RefusedPerPeer + t.RefusedTotal, IdleClosed: t.IdleClosed,
-		FrameTimeouts: t.FrameTimeouts, PathsIdledOut: t.GoAways,
+		FrameTimeouts: t.FrameTimeouts, PathsIdledOut: t.GoAways, AcceptErrors: t.AcceptErrors,
 		ControlDropped: c.Malformed + e.stats.controlDropped.Load(), ControlLate: c.Unmatched, Registrations: e.reg.Len(), OpenSegments: nseg,
 		ControlConns: c.Conns, ControlPeers: c.Peers, ControlConnsRefused: c.ConnsRefused, ControlConnsCut: c.ConnsCut,
 		ControlOverBudget: c.OverBudget, ControlSendFails: c.SendFails,
