@@ -58,12 +58,12 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define KVF_VERSION_MAJOR 0
-#define KVF_VERSION_MINOR 2
+#define KVF_VERSION_MINOR 3
 #define KVF_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, as zstd's ZSTD_VERSION_NUMBER. */
 #define KVF_VERSION_NUMBER \
     (KVF_VERSION_MAJOR * 10000 + KVF_VERSION_MINOR * 100 + KVF_VERSION_PATCH)
-#define KVF_VERSION_STRING "0.2.0"
+#define KVF_VERSION_STRING "0.3.0"
 
 /* The library's KVF_VERSION_NUMBER, to check that header and library agree
  * (the major version must match; a library at least as new as the header is
@@ -260,6 +260,22 @@ typedef struct kvf_stats {
     uint64_t tasks_aborted;    /* our tasks that ended ABORTED */
     uint64_t tombstones;       /* aborted request ids remembered as owner */
     uint64_t events_dropped;   /* events dropped because the queue was full */
+    /* Since 0.3: what peers make the engine spend (README: "What a peer
+     * can make an engine spend"). */
+    uint64_t control_conns; /* control connections peers hold to us now */
+    uint64_t control_conns_refused; /* control connections closed at once at a cap */
+    uint64_t control_conns_cut; /* control connections closed for a protocol error or a timeout */
+    uint64_t control_over_budget; /* control messages dropped unread: buffer budget spent */
+    uint64_t control_send_fails; /* control messages not sent (no connection for an answer, queue full) */
+    uint64_t data_conns; /* tcp data connections peers hold to us now */
+    uint64_t conns_refused; /* tcp data connections closed at once at a cap */
+    uint64_t idle_closed; /* tcp data connections closed idle (with GOAWAY) */
+    uint64_t frame_timeouts; /* tcp data connections closed for a frame too slow */
+    uint64_t accept_errors; /* failed accepts on the data port, retried after a backoff */
+    uint64_t aborts_dropped; /* ABORTs dropped unanswered for want of room (the owner resends) */
+    uint64_t canceled_dropped; /* CANCELED messages from peers that could not touch the request */
+    uint64_t rdma_responder_qps; /* QPs made for initiators connected to us */
+    uint64_t rdma_connects_refused; /* rdma connect requests refused at the QP cap */
 } kvf_stats;
 
 /* Fills *out (struct_size set by the caller, at least 8). Never blocks. */

@@ -33,7 +33,7 @@ from typing import List, Optional
 # The header's KVF_VERSION_MAJOR this binding was written for.
 ABI_MAJOR = 0
 # The oldest library minor version with every function declared here.
-ABI_MIN_MINOR = 2
+ABI_MIN_MINOR = 3
 
 TIMEOUT_DEFAULT = -1
 EVENT_DATA_MAX = 64
@@ -118,6 +118,20 @@ class Stats(Structure):
         ("tasks_aborted", c_uint64),
         ("tombstones", c_uint64),
         ("events_dropped", c_uint64),
+        ("control_conns", c_uint64),
+        ("control_conns_refused", c_uint64),
+        ("control_conns_cut", c_uint64),
+        ("control_over_budget", c_uint64),
+        ("control_send_fails", c_uint64),
+        ("data_conns", c_uint64),
+        ("conns_refused", c_uint64),
+        ("idle_closed", c_uint64),
+        ("frame_timeouts", c_uint64),
+        ("accept_errors", c_uint64),
+        ("aborts_dropped", c_uint64),
+        ("canceled_dropped", c_uint64),
+        ("rdma_responder_qps", c_uint64),
+        ("rdma_connects_refused", c_uint64),
     ]
 
 
