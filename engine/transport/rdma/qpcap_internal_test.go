@@ -21,7 +21,9 @@ func TestResponderQPsAreCappedInTotal(t *testing.T) {
 	lib := fakeverbs.Library(t)
 	devices := fakeverbs.Devices("")
 	owner, err := New(Options{Library: lib, Devices: devices, Fence: true, MaxResponderQPs: 8,
-		Exchange: func(context.Context, string, []byte) ([]byte, error) { return nil, errors.New("the owner dials nobody") }})
+		Exchange: func(context.Context, string, []byte) ([]byte, error) {
+			return nil, errors.New("the owner dials nobody")
+		}})
 	if err != nil {
 		t.Fatalf("owner transport: %v", err)
 	}
