@@ -134,6 +134,8 @@ type op struct {
 	close  bool
 	oneway bool // a one-way message: no reply is awaited
 	noDial bool // send only over a connection that exists
+	typ    MsgType
+	body   []byte // unpacked, for a message to our own name
 }
 
 type reply struct {
@@ -321,7 +323,7 @@ func (p *Plane) Request(ctx context.Context, peer string, t MsgType, body []byte
 	if len(body) > 0 {
 		frames = append(frames, packed)
 	}
-	if err := p.enqueue(op{peer: peer, frames: frames, corr: corr}); err != nil {
+	if err := p.enqueue(op{peer: peer, frames: frames, corr: corr, typ: t, body: body}); err != nil {
 		return 0, nil, err
 	}
 	select {
@@ -368,7 +370,7 @@ func (p *Plane) sendOneWay(peer string, t MsgType, body []byte, noDial bool) err
 	if len(body) > 0 {
 		frames = append(frames, body)
 	}
-	return p.enqueue(op{peer: peer, frames: frames, oneway: true, noDial: noDial})
+	return p.enqueue(op{peer: peer, frames: frames, oneway: true, noDial: noDial, typ: t, body: body})
 }
 
 // Forget closes our connection to peer; a later Request opens a new one.
@@ -498,6 +500,10 @@ func (p *Plane) run(o op) {
 		}
 		return
 	}
+	if o.peer == p.name {
+		p.runLocal(o)
+		return
+	}
 	msg := encodeMessage(o.frames)
 	if o.oneway {
 		if c := p.inByName[o.peer]; c != nil && p.sendRaw(c.id, msg) == nil {
@@ -537,6 +543,32 @@ func (p *Plane) run(o op) {
 		}
 		p.failOp(o, fmt.Errorf("send: %w", err))
 	}
+}
+
+// runLocal hands a message to our own name to our handlers, as if it had
+// come over a connection from us. A connection to our own bound endpoint
+// cannot be closed: libzmq's zmq_disconnect("tcp://<name>") matches the
+// bind as well as the connect, and tears down the listener with every
+// connection it accepted.
+func (p *Plane) runLocal(o op) {
+	p.stats.received.Add(1)
+	body := append([]byte(nil), o.body...) // the handler may keep it; the caller may reuse it
+	h := p.handlers[o.typ]
+	if o.oneway {
+		if h != nil {
+			h(p.name, body)
+		}
+		return
+	}
+	rt, rb := MsgError, []byte(fmt.Sprintf("no handler for %s", o.typ))
+	if h != nil {
+		rt, rb = h(p.name, body)
+	}
+	if !rt.IsReply() {
+		p.malformed("reply", p.name, fmt.Errorf("%w: %s is not a reply", ErrMalformed, rt))
+		return
+	}
+	p.deliver(o.corr, p.name, reply{env: Envelope{Type: rt, Corr: o.corr}, body: append([]byte(nil), rb...)})
 }
 
 // failOp counts a send that failed and answers its requester at once.
