@@ -534,10 +534,9 @@ func (p *Plane) run(o op) {
 	}
 	if err := p.sendRaw(c.id, msg); err != nil {
 		if zmq.AsErrno(err) == zmq.Errno(syscall.EHOSTUNREACH) {
-			// The connection went down and its notice is still on the
-			// way: libzmq redials it, so queue as for one not up yet.
-			// live stays as the notices left it: the next one says down.
-			p.resetReader(c)
+			// libzmq ended the connection's pipe: queue the message for
+			// a new connection, dialed at the next sweep.
+			p.retire(c)
 			c.queue = append(c.queue, msg)
 			return
 		}
@@ -585,32 +584,55 @@ func (p *Plane) sendRaw(id string, b []byte) error {
 	return err
 }
 
-// dial opens our connection to peer. libzmq reconnects it by itself; the
-// routing id we give it stays across reconnects. Each dial takes a new id:
-// libzmq ends a disconnected connection asynchronously, and an id still in
-// use must not be given again.
+// dial opens our connection to peer. libzmq retries the TCP connect by
+// itself until it succeeds. Each dial takes a new routing id: libzmq ends a
+// disconnected connection asynchronously, and an id still in use must not
+// be given again.
 func (p *Plane) dial(peer string) (*conn, error) {
-	p.dials++
-	id := fmt.Sprintf("o%d", p.dials) // libzmq's own ids start with a zero byte
-	if err := p.stream.SetConnectRid(id); err != nil {
-		return nil, fmt.Errorf("control: routing id: %w", err)
+	c := &conn{name: peer, used: time.Now()}
+	if err := p.connect(c); err != nil {
+		return nil, err
 	}
-	if err := p.stream.Connect("tcp://" + peer); err != nil {
-		return nil, fmt.Errorf("control: connect %s: %w", peer, err)
-	}
-	c := &conn{id: id, name: peer, used: time.Now()}
-	p.conns[c.id] = c
 	p.outPeer[peer] = c
 	p.stats.peers.Add(1)
 	return c, nil
 }
 
+// connect gives c a new routing id and a new libzmq connection.
+func (p *Plane) connect(c *conn) error {
+	p.dials++
+	id := fmt.Sprintf("o%d", p.dials) // libzmq's own ids start with a zero byte
+	if err := p.stream.SetConnectRid(id); err != nil {
+		return fmt.Errorf("control: routing id: %w", err)
+	}
+	if err := p.stream.Connect("tcp://" + c.name); err != nil {
+		return fmt.Errorf("control: connect %s: %w", c.name, err)
+	}
+	c.id, c.live = id, false
+	p.conns[id] = c
+	return nil
+}
+
+// retire ends the libzmq connection under c, whose TCP connection went
+// down, and keeps c (its peer and queue) for a new one, dialed at the next
+// sweep (until it idles out). libzmq would redial it itself and keep its pipe,
+// but the pipe may hold messages written after the drop and before its
+// notice reached us: they would go out first on the new connection, before
+// our greeting, and the peer would refuse it. A new connection starts
+// clean; what was written into the old one is lost, as on a TCP reset.
+func (p *Plane) retire(c *conn) {
+	if c.id != "" {
+		_ = p.stream.Disconnect("tcp://" + c.name)
+		delete(p.conns, c.id)
+	}
+	p.resetReader(c)
+	c.id, c.live = "", false
+}
+
 // dropOutbound ends our connection to c's peer for good; a later send
 // dials again.
 func (p *Plane) dropOutbound(c *conn) {
-	_ = p.stream.Disconnect("tcp://" + c.name)
-	p.resetReader(c)
-	delete(p.conns, c.id)
+	p.retire(c)
 	delete(p.outPeer, c.name)
 	p.stats.peers.Add(-1)
 }
@@ -681,9 +703,8 @@ func (p *Plane) drain() {
 			case c == nil: // the end of an outbound connection we dropped
 			case c.inbound:
 				p.forgetInbound(c)
-			case c.live: // our connection went down; libzmq redials it
-				c.live = false
-				p.resetReader(c)
+			case c.live: // our connection went down: a new one replaces it
+				p.retire(c)
 			default: // our connection came up
 				c.live, c.since = true, time.Now()
 				c.rd = p.newReader(c)
@@ -781,8 +802,26 @@ func (p *Plane) cut(c *conn) {
 
 // sweep closes connections past their deadlines.
 func (p *Plane) sweep(now time.Time) {
+	for _, c := range p.outPeer {
+		if c.id != "" && c.live {
+			continue // up: its reader's deadlines apply, below
+		}
+		// Not connected. Messages queued for longer than PeerIdleTimeout
+		// are stale (their requests have given up): drop them with the
+		// connection, or a peer that never answers keeps a socket
+		// redialing for ever.
+		switch {
+		case now.Sub(c.used) > p.opts.PeerIdleTimeout:
+			p.dropOutbound(c)
+		case c.id == "": // retired: redial, as libzmq would have
+			if err := p.connect(c); err != nil {
+				p.warn.Warn("redial:"+c.name, "control: redial failed", "peer", c.name, "err", err)
+				p.dropOutbound(c)
+			}
+		}
+	}
 	for _, c := range p.conns {
-		if !c.inbound && len(c.queue) == 0 && now.Sub(c.used) > p.opts.PeerIdleTimeout {
+		if !c.inbound && now.Sub(c.used) > p.opts.PeerIdleTimeout {
 			p.dropOutbound(c) // idle: nothing lost, the next send dials again
 			continue
 		}
