@@ -191,12 +191,13 @@ type Plane struct {
 	waiting map[uint64]waiter
 
 	// Owned by the loop.
-	conns    map[string]*conn // by routing id
-	inByName map[string]*conn // inbound, by the peer's name: the newest wins
-	outPeer  map[string]*conn // outbound, by peer
-	perHost  map[string]int   // inbound connections per remote address
-	buffered uint64           // bytes held by readers (atomic for Stats)
-	dials    uint64           // outbound connections made: their routing ids
+	conns    map[string]*conn   // by routing id
+	inByName map[string]*conn   // inbound, by the peer's name: the newest wins
+	named    map[string][]*conn // inbound connections past READY, by name, oldest first
+	outPeer  map[string]*conn   // outbound, by peer
+	perHost  map[string]int     // inbound connections per remote address
+	buffered uint64             // bytes held by readers (atomic for Stats)
+	dials    uint64             // outbound connections made: their routing ids
 
 	stats counters
 	done  chan struct{}
@@ -222,7 +223,7 @@ func ListenWith(host string, port int, opts Options, log *slog.Logger) (*Plane, 
 	}
 	p := &Plane{log: log, warn: ratelog.New(log), opts: opts, zctx: zctx, handlers: map[MsgType]Handler{},
 		waiting: map[uint64]waiter{}, done: make(chan struct{}),
-		conns: map[string]*conn{}, inByName: map[string]*conn{}, outPeer: map[string]*conn{}, perHost: map[string]int{}}
+		conns: map[string]*conn{}, inByName: map[string]*conn{}, named: map[string][]*conn{}, outPeer: map[string]*conn{}, perHost: map[string]int{}}
 	// Correlation ids start at random, so a restarted engine on the same
 	// port never takes a late reply meant for its previous run.
 	var seed [8]byte
@@ -647,8 +648,28 @@ func (p *Plane) closeInbound(c *conn) {
 func (p *Plane) forgetInbound(c *conn) {
 	p.resetReader(c)
 	delete(p.conns, c.id)
+	if l := p.named[c.name]; len(l) > 0 {
+		for i, o := range l {
+			if o == c {
+				l = append(l[:i:i], l[i+1:]...)
+				break
+			}
+		}
+		if len(l) == 0 {
+			delete(p.named, c.name)
+		} else {
+			p.named[c.name] = l
+		}
+	}
 	if p.inByName[c.name] == c {
-		delete(p.inByName, c.name)
+		// The newest other connection of that name takes its messages:
+		// a stranger that claimed the name and left must not strand the
+		// peer that still holds a connection under it.
+		if l := p.named[c.name]; len(l) > 0 {
+			p.inByName[c.name] = l[len(l)-1]
+		} else {
+			delete(p.inByName, c.name)
+		}
 	}
 	if p.perHost[c.host]--; p.perHost[c.host] <= 0 {
 		delete(p.perHost, c.host)
@@ -780,6 +801,7 @@ func (p *Plane) becameReady(c *conn) error {
 			c.name = c.rd.identity
 		}
 		p.inByName[c.name] = c // the newest connection of a name takes its messages
+		p.named[c.name] = append(p.named[c.name], c)
 		return nil
 	}
 	for _, m := range c.queue {
