@@ -703,11 +703,19 @@ func (p *Plane) reserve(n uint64) bool {
 
 func (p *Plane) release(n uint64) { atomic.AddUint64(&p.buffered, -n) }
 
-// drain reads everything waiting on the STREAM socket: connection events
-// (an empty message: the connection opened, or closed if we knew it) and
-// bytes.
+// maxDrain bounds the STREAM messages (a read of up to 8 KiB from one
+// connection, or a connection's notice) one loop turn handles. libzmq reads
+// a connection's bytes far faster than the loop handles the requests in
+// them, so draining until the socket is empty let a few peers writing
+// requests nonstop keep the loop from our own sends and from its deadlines.
+const maxDrain = 64
+
+// drain reads what is waiting on the STREAM socket, up to maxDrain
+// messages: connection events (an empty message: the connection opened, or
+// closed if we knew it) and bytes. The loop's next poll returns at once for
+// the rest.
 func (p *Plane) drain() {
-	for {
+	for range maxDrain {
 		msg, meta, err := p.stream.RecvMessageBytesWithMetadata(zmq.DONTWAIT, "Peer-Address")
 		if err != nil {
 			return
