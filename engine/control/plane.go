@@ -46,8 +46,11 @@ type Options struct {
 	// host cannot take every slot.
 	MaxConnsPerHost int
 	// BufferBytes caps the bytes of partly received messages held for all
-	// connections together (default 128 MiB). A message that would pass
-	// it is dropped as it arrives, never buffered.
+	// connections peers opened to us together (default 128 MiB). A message
+	// that would pass it is dropped as it arrives, never buffered. Replies
+	// on our own connections to peers have a budget of the same size of
+	// their own, so strangers holding this one cannot starve the answers
+	// to our requests.
 	BufferBytes uint64
 	// HandshakeTimeout: a connection that has not completed the ZMTP
 	// handshake by then is closed (default 10 s).
@@ -191,13 +194,14 @@ type Plane struct {
 	waiting map[uint64]waiter
 
 	// Owned by the loop.
-	conns    map[string]*conn   // by routing id
-	inByName map[string]*conn   // inbound, by the peer's name: the newest wins
-	named    map[string][]*conn // inbound connections past READY, by name, oldest first
-	outPeer  map[string]*conn   // outbound, by peer
-	perHost  map[string]int     // inbound connections per remote address
-	buffered uint64             // bytes held by readers (atomic for Stats)
-	dials    uint64             // outbound connections made: their routing ids
+	conns       map[string]*conn   // by routing id
+	inByName    map[string]*conn   // inbound, by the peer's name: the newest wins
+	named       map[string][]*conn // inbound connections past READY, by name, oldest first
+	outPeer     map[string]*conn   // outbound, by peer
+	perHost     map[string]int     // inbound connections per remote address
+	buffered    uint64             // bytes held by readers of inbound connections (atomic for Stats)
+	bufferedOut uint64             // bytes held by readers of our connections to peers
+	dials       uint64             // outbound connections made: their routing ids
 
 	stats counters
 	done  chan struct{}
@@ -428,7 +432,7 @@ func (p *Plane) Stats() Stats {
 		Unmatched: p.stats.unmatched.Load(), SendFails: p.stats.sendFails.Load(),
 		Conns: int(p.stats.conns.Load()), Peers: int(p.stats.peers.Load()),
 		ConnsRefused: p.stats.refused.Load(), ConnsCut: p.stats.cut.Load(),
-		OverBudget: p.stats.overBudget.Load(), BufferedBytes: atomic.LoadUint64(&p.buffered)}
+		OverBudget: p.stats.overBudget.Load(), BufferedBytes: atomic.LoadUint64(&p.buffered) + atomic.LoadUint64(&p.bufferedOut)}
 }
 
 func (p *Plane) closeSockets() {
@@ -686,22 +690,27 @@ func (p *Plane) resetReader(c *conn) {
 }
 
 func (p *Plane) newReader(c *conn) *zmtpReader {
+	// A frame's size is reserved when its header arrives: a few headers of
+	// 16 MiB frames that never come hold the budget until MessageTimeout.
+	// Peers we chose to talk to draw from a budget of their own.
+	held := &p.buffered
+	if !c.inbound {
+		held = &p.bufferedOut
+	}
+	reserve := func(n uint64) bool {
+		if atomic.LoadUint64(held)+n > p.opts.BufferBytes {
+			p.stats.overBudget.Add(1)
+			return false
+		}
+		atomic.AddUint64(held, n)
+		return true
+	}
+	release := func(n uint64) { atomic.AddUint64(held, -n) }
 	rd := newZMTPReader(zmtpLimits{maxFrames: MaxFrames - 1, maxFrame: MaxBody + EnvelopeSize, maxBytes: MaxBody + EnvelopeSize},
-		p.reserve, p.release)
+		reserve, release)
 	rd.onReady = func() error { return p.becameReady(c) }
 	return rd
 }
-
-func (p *Plane) reserve(n uint64) bool {
-	if atomic.LoadUint64(&p.buffered)+n > p.opts.BufferBytes {
-		p.stats.overBudget.Add(1)
-		return false
-	}
-	atomic.AddUint64(&p.buffered, n)
-	return true
-}
-
-func (p *Plane) release(n uint64) { atomic.AddUint64(&p.buffered, -n) }
 
 // maxDrain bounds the STREAM messages (a read of up to 8 KiB from one
 // connection, or a connection's notice) one loop turn handles. libzmq reads
