@@ -759,11 +759,11 @@ func (p *Plane) drain() {
 
 // accept takes a new inbound connection, or refuses it past the caps.
 func (p *Plane) accept(id, host string) {
-	if len(p.conns)-len(p.outPeer) >= p.opts.MaxConns || p.perHost[host] >= p.opts.MaxConnsPerHost {
+	if int(p.stats.conns.Load()) >= p.opts.MaxConns || p.perHost[host] >= p.opts.MaxConnsPerHost {
 		_ = p.sendRaw(id, nil)
 		p.stats.refused.Add(1)
 		p.warn.Warn("refused:"+host, "control: connection refused: too many connections",
-			"peer_address", host, "total", len(p.conns)-len(p.outPeer), "from_address", p.perHost[host],
+			"peer_address", host, "total", int(p.stats.conns.Load()), "from_address", p.perHost[host],
 			"max", p.opts.MaxConns, "max_per_address", p.opts.MaxConnsPerHost)
 		return
 	}
