@@ -29,6 +29,8 @@ var reviewAttacks = map[string]func(target string) error{
 	"budget-hold": attackBudgetHold,
 	"flood":       attackFlood,
 	"claim":       attackClaim,
+	"zombie":      attackZombie,
+	"hangup":      attackHangup,
 }
 
 func envInt(name string, def int) int {
@@ -473,5 +475,128 @@ func TestReconnectStartsWithGreeting(t *testing.T) {
 		}
 		_ = c.(*net.TCPConn).SetLinger(0)
 		_ = c.Close()
+	}
+}
+
+// attackZombie opens KVFERRY_ATTACK_CONNS connections with a tiny receive
+// buffer; on each it sends 3,000 PINGs it never reads the answers of (so
+// that the target's send queue for it fills), then a frame with an invalid
+// flag byte, a protocol error the target answers by closing the connection.
+// It prints SENT and holds the connections until stdin closes.
+func attackZombie(target string) error {
+	n := envInt("KVFERRY_ATTACK_CONNS", 32)
+	dialer := net.Dialer{Timeout: 5 * time.Second, Control: func(_, _ string, rc syscall.RawConn) error {
+		var serr error
+		err := rc.Control(func(fd uintptr) { serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096) })
+		if err != nil {
+			return err
+		}
+		return serr
+	}}
+	var pings []byte
+	for i := 0; i < 3000; i++ {
+		pings = append(pings, 0x01, 16)
+		pings = append(pings, control.EncodeEnvelope(control.Envelope{Type: control.MsgPing, Corr: uint64(i + 1)})...)
+		pings = append(pings, longFrameHeader(8<<10, false)...)
+		pings = append(pings, make([]byte, 8<<10)...)
+	}
+	var conns []net.Conn
+	for i := 0; i < n; i++ {
+		c, err := dialer.Dial("tcp", target)
+		if err != nil {
+			return err
+		}
+		if _, err := c.Write(append(append(zmtpHello(fmt.Sprintf("10.4.0.%d:1", i+1)), pings...), 0x80, 0)); err != nil {
+			return err
+		}
+		conns = append(conns, c)
+	}
+	fmt.Println("SENT", n)
+	waitStdin()
+	for _, c := range conns {
+		_ = c.Close()
+	}
+	return nil
+}
+
+// openFDs counts the process's open file descriptors.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	must(t, err)
+	return len(ents)
+}
+
+// attackHangup opens KVFERRY_ATTACK_CONNS connections one after the other;
+// each writes 80 bytes that are no ZMTP greeting and closes at once
+// (every other one with a reset). It prints DONE.
+func attackHangup(target string) error {
+	n := envInt("KVFERRY_ATTACK_CONNS", 1000)
+	for i := 0; i < n; i++ {
+		c, err := net.Dial("tcp", target)
+		if err != nil {
+			return err
+		}
+		if _, err := c.Write([]byte("GET / HTTP/1.0\r\nHost: kvferry\r\nUser-Agent: a ZMTP greeting is 64 bytes\r\n\r\n")); err != nil {
+			return err
+		}
+		if i%2 == 0 {
+			_ = c.(*net.TCPConn).SetLinger(0)
+		}
+		_ = c.Close()
+	}
+	fmt.Println("DONE", n)
+	waitStdin()
+	return nil
+}
+
+// TestClosedConnectionsAreNotLeftOpen: 32 connections send 3,000 PINGs of
+// 8 KiB without reading the answers, then a protocol error. The plane
+// closed each by an empty message, which libzmq refuses (EAGAIN) while the
+// connection's send queue is full, and forgot it: the 32 connections stayed
+// open in libzmq (32 file descriptors more, each with its queue of 1,000
+// replies, 8 MiB) while Stats said 0 connections, so a peer could open
+// connections past every cap until the process ran out of descriptors.
+func TestClosedConnectionsAreNotLeftOpen(t *testing.T) {
+	p := newPlane(t, "127.0.0.1")
+	before := openFDs(t)
+	const n = 32
+	sc, stop := startAttacker(t, "zombie", p.Name(), fmt.Sprintf("KVFERRY_ATTACK_CONNS=%d", n))
+	expectLine(t, sc, "SENT")
+	waitFor(t, "every attack connection cut", 30*time.Second, func() bool { return p.Stats().ConnsCut >= n })
+	// The descriptors still open must be counted as connections (and so
+	// against MaxConns): at most a few others come and go (the attacker's
+	// pipes, the test's own).
+	fds, s := openFDs(t), p.Stats()
+	t.Logf("fds %d -> %d; stats %+v", before, fds, s)
+	if fds-before > s.Conns+4 {
+		t.Fatalf("%d more file descriptors open with %d connections counted: closed connections left open", fds-before, s.Conns)
+	}
+	stop()
+	waitFor(t, "the connections gone once the attacker left", 10*time.Second, func() bool {
+		return p.Stats().Conns == 0 && openFDs(t) <= before+4
+	})
+}
+
+// TestHungUpConnectionsLeaveNoPhantoms: 1,000 connections each write a
+// bad greeting and close. When the plane's close of one raced the peer's,
+// libzmq refused the close (the pipe was already ending) and still
+// delivered the connection's end notice, an empty message the plane took
+// for a new connection: a phantom that held a connection slot (and its
+// address's) until HandshakeTimeout. 512 phantoms in one run, and 416 of
+// the connections refused as over the per-address cap of 256.
+func TestHungUpConnectionsLeaveNoPhantoms(t *testing.T) {
+	p, err := control.ListenWith("127.0.0.1", 0, control.Options{HandshakeTimeout: 30 * time.Second}, nil)
+	must(t, err)
+	p.Start()
+	t.Cleanup(func() { _ = p.Close() })
+	const n = 1000
+	sc, _ := startAttacker(t, "hangup", p.Name(), fmt.Sprintf("KVFERRY_ATTACK_CONNS=%d", n))
+	expectLine(t, sc, "DONE")
+	// Each connection ends by its protocol error, its refusal or its end
+	// notice; a phantom stays until HandshakeTimeout (30 s).
+	waitFor(t, "no connection left (phantoms stay 30 s)", 10*time.Second, func() bool { return p.Stats().Conns == 0 })
+	if s := p.Stats(); s.ConnsCut+s.ConnsRefused > n {
+		t.Fatalf("%d connections cut or refused for %d opened: end notices were taken for new connections; stats %+v", s.ConnsCut+s.ConnsRefused, n, s)
 	}
 }
