@@ -166,6 +166,7 @@ type conn struct {
 	msgSince time.Time // when the message in progress began; zero when none
 	used     time.Time // outbound: when it last carried a message either way
 	queue    [][]byte  // outbound: encoded messages waiting for the peer's READY
+	closing  bool      // inbound: we closed it, libzmq has not yet (see closeInbound)
 }
 
 // Plane is one engine's control plane. Request and Close are safe for
@@ -642,9 +643,21 @@ func (p *Plane) dropOutbound(c *conn) {
 	p.stats.peers.Add(-1)
 }
 
-// closeInbound closes a connection a peer opened to us.
+// closeInbound closes a connection a peer opened to us. An empty message
+// closes a STREAM connection, but libzmq refuses it (EAGAIN) while the
+// connection's send queue is full (a peer that reads nothing) and once the
+// peer's own close is under way. Forgotten then, the connection stayed open
+// and uncounted for ever (a zombie past every cap), or its close notice,
+// still to come, was taken for a new connection. Such a connection stays
+// counted, reads nothing more, and is closed again at each sweep until
+// libzmq takes the close or its notice says it ended.
 func (p *Plane) closeInbound(c *conn) {
-	_ = p.sendRaw(c.id, nil) // an empty message closes a STREAM connection
+	if err := p.sendRaw(c.id, nil); err != nil && zmq.AsErrno(err) == zmq.Errno(syscall.EAGAIN) {
+		p.resetReader(c)
+		p.unname(c)
+		c.closing = true
+		return
+	}
 	p.forgetInbound(c)
 }
 
@@ -652,6 +665,15 @@ func (p *Plane) closeInbound(c *conn) {
 func (p *Plane) forgetInbound(c *conn) {
 	p.resetReader(c)
 	delete(p.conns, c.id)
+	p.unname(c)
+	if p.perHost[c.host]--; p.perHost[c.host] <= 0 {
+		delete(p.perHost, c.host)
+	}
+	p.stats.conns.Add(-1)
+}
+
+// unname stops routing messages for c's peer name to c.
+func (p *Plane) unname(c *conn) {
 	if l := p.named[c.name]; len(l) > 0 {
 		for i, o := range l {
 			if o == c {
@@ -675,10 +697,6 @@ func (p *Plane) forgetInbound(c *conn) {
 			delete(p.inByName, c.name)
 		}
 	}
-	if p.perHost[c.host]--; p.perHost[c.host] <= 0 {
-		delete(p.perHost, c.host)
-	}
-	p.stats.conns.Add(-1)
 }
 
 func (p *Plane) resetReader(c *conn) {
@@ -760,8 +778,14 @@ func (p *Plane) drain() {
 // accept takes a new inbound connection, or refuses it past the caps.
 func (p *Plane) accept(id, host string) {
 	if int(p.stats.conns.Load()) >= p.opts.MaxConns || p.perHost[host] >= p.opts.MaxConnsPerHost {
-		_ = p.sendRaw(id, nil)
 		p.stats.refused.Add(1)
+		if err := p.sendRaw(id, nil); err != nil && zmq.AsErrno(err) == zmq.Errno(syscall.EAGAIN) {
+			// The peer is already gone and its notice is on its way: keep
+			// the id until it comes (see closeInbound).
+			p.conns[id] = &conn{id: id, inbound: true, host: host, name: id, closing: true}
+			p.perHost[host]++
+			p.stats.conns.Add(1)
+		}
 		p.warn.Warn("refused:"+host, "control: connection refused: too many connections",
 			"peer_address", host, "total", int(p.stats.conns.Load()), "from_address", p.perHost[host],
 			"max", p.opts.MaxConns, "max_per_address", p.opts.MaxConnsPerHost)
@@ -860,6 +884,10 @@ func (p *Plane) sweep(now time.Time) {
 		}
 	}
 	for _, c := range p.conns {
+		if c.closing {
+			p.closeInbound(c) // again: libzmq refused the last close
+			continue
+		}
 		if !c.inbound && now.Sub(c.used) > p.opts.PeerIdleTimeout {
 			p.dropOutbound(c) // idle: nothing lost, the next send dials again
 			continue
