@@ -83,6 +83,8 @@ const (
 	rcvHWM = 16
 	// tick is how often the loop checks deadlines when nothing arrives.
 	tick = 250 * time.Millisecond
+	// reconnectIvl is libzmq's interval between connect attempts.
+	reconnectIvl = time.Second
 )
 
 func (o *Options) fill() {
@@ -245,6 +247,14 @@ func ListenWith(host string, port int, opts Options, log *slog.Logger) (*Plane, 
 	}
 	if err := p.stream.SetRcvhwm(rcvHWM); err != nil {
 		return fail(fmt.Errorf("control: RCVHWM: %w", err))
+	}
+	// A connection of ours that went down is replaced by a new one (see
+	// retire); libzmq's own redial of the old one, if it comes before the
+	// loop saw the drop, sends what was left in its pipe ahead of any
+	// greeting. Slow it, so that the loop always wins; a connect that is
+	// refused is retried at this interval.
+	if err := p.stream.SetReconnectIvl(reconnectIvl); err != nil {
+		return fail(fmt.Errorf("control: RECONNECT_IVL: %w", err))
 	}
 	ipv6 := strings.Contains(host, ":")
 	_ = p.stream.SetIpv6(ipv6)
