@@ -147,7 +147,7 @@ func zmtpHelloAs(typ, name string) []byte {
 
 // attackFlood opens KVFERRY_ATTACK_CONNS connections and writes PING
 // requests (18 bytes each, no body) on each as fast as TCP takes them,
-// never reading, until stdin closes. It prints FLOODING once every
+// reading the answers, until stdin closes. It prints FLOODING once every
 // connection said hello.
 func attackFlood(target string) error {
 	n := envInt("KVFERRY_ATTACK_CONNS", 4)
@@ -168,6 +168,7 @@ func attackFlood(target string) error {
 		conns = append(conns, c)
 	}
 	for _, c := range conns {
+		go func() { _, _ = io.Copy(io.Discard, c) }() // read the answers, as a real client would
 		go func() {
 			for {
 				if _, err := c.Write(burst); err != nil {
@@ -262,7 +263,7 @@ func TestBudgetHoldersCannotStarveOurReplies(t *testing.T) {
 }
 
 // TestFloodDoesNotStarveOwnRequests: 4 connections write 18-byte PINGs as
-// fast as TCP takes them. libzmq reads 8 KiB (455 requests) per syscall
+// fast as TCP takes them (and read the answers). libzmq reads 8 KiB (455 requests) per syscall
 // and the plane's loop drained the socket until it was empty before
 // running its own sends and deadlines, so it never got to them: our own
 // request to another peer timed out (3 s), where the ROUTER plane of
