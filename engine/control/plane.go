@@ -83,8 +83,16 @@ const (
 	rcvHWM = 16
 	// tick is how often the loop checks deadlines when nothing arrives.
 	tick = 250 * time.Millisecond
-	// reconnectIvl is libzmq's interval between connect attempts.
-	reconnectIvl = time.Second
+	// redialIvl is how often the loop dials again a peer whose connection
+	// did not come up (refused, or nothing answers): a new connection with
+	// a new routing id each time.
+	redialIvl = time.Second
+	// zmqReconnectIvl is libzmq's own interval between connect attempts of
+	// one connection. The loop replaces a connection that went down or did
+	// not come up (see retire and redialIvl), and libzmq's redial of the
+	// old one must never come first: it would send what was left in the
+	// old pipe ahead of any greeting.
+	zmqReconnectIvl = time.Hour
 )
 
 func (o *Options) fill() {
@@ -248,12 +256,7 @@ func ListenWith(host string, port int, opts Options, log *slog.Logger) (*Plane, 
 	if err := p.stream.SetRcvhwm(rcvHWM); err != nil {
 		return fail(fmt.Errorf("control: RCVHWM: %w", err))
 	}
-	// A connection of ours that went down is replaced by a new one (see
-	// retire); libzmq's own redial of the old one, if it comes before the
-	// loop saw the drop, sends what was left in its pipe ahead of any
-	// greeting. Slow it, so that the loop always wins; a connect that is
-	// refused is retried at this interval.
-	if err := p.stream.SetReconnectIvl(reconnectIvl); err != nil {
+	if err := p.stream.SetReconnectIvl(zmqReconnectIvl); err != nil {
 		return fail(fmt.Errorf("control: RECONNECT_IVL: %w", err))
 	}
 	ipv6 := strings.Contains(host, ":")
@@ -470,8 +473,9 @@ func (p *Plane) loop() {
 		_ = p.wakeRecv.Close()
 	}()
 	lastSweep := time.Now()
+	wait := tick
 	for {
-		polled, err := poller.Poll(tick)
+		polled, err := poller.Poll(wait)
 		if err != nil {
 			if zmq.AsErrno(err) == zmq.Errno(4) { // EINTR
 				continue
@@ -495,9 +499,19 @@ func (p *Plane) loop() {
 			lastSweep = now
 			p.sweep(now)
 		}
+		// At most maxOps of our own sends per turn, as at most maxDrain
+		// messages of the peers': callers sending faster than the loop
+		// must not keep it from the socket's notices and its deadlines.
 		p.opMu.Lock()
 		ops, closed := p.ops, p.closed
 		p.ops = nil
+		if len(ops) > maxOps {
+			ops, p.ops = ops[:maxOps], ops[maxOps:]
+		}
+		wait = tick
+		if len(p.ops) > 0 {
+			wait = 0 // more to do: poll without waiting
+		}
 		p.opMu.Unlock()
 		if closed {
 			return
@@ -624,7 +638,7 @@ func (p *Plane) connect(c *conn) error {
 	if err := p.stream.Connect("tcp://" + c.name); err != nil {
 		return fmt.Errorf("control: connect %s: %w", c.name, err)
 	}
-	c.id, c.live = id, false
+	c.id, c.live, c.since = id, false, time.Now()
 	p.conns[id] = c
 	return nil
 }
@@ -746,6 +760,9 @@ func (p *Plane) newReader(c *conn) *zmtpReader {
 // them, so draining until the socket is empty let a few peers writing
 // requests nonstop keep the loop from our own sends and from its deadlines.
 const maxDrain = 64
+
+// maxOps bounds the ops (our own sends) one loop turn runs.
+const maxOps = 256
 
 // drain reads what is waiting on the STREAM socket, up to maxDrain
 // messages: connection events (an empty message: the connection opened, or
@@ -886,7 +903,11 @@ func (p *Plane) sweep(now time.Time) {
 		switch {
 		case now.Sub(c.used) > p.opts.PeerIdleTimeout:
 			p.dropOutbound(c)
-		case c.id == "": // retired: redial, as libzmq would have
+			continue
+		case c.id != "" && now.Sub(c.since) > redialIvl:
+			p.retire(c) // not up yet: dial again, below
+		}
+		if c.id == "" { // retired: dial again, as libzmq would have
 			if err := p.connect(c); err != nil {
 				p.warn.Warn("redial:"+c.name, "control: redial failed", "peer", c.name, "err", err)
 				p.dropOutbound(c)
