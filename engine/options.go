@@ -179,9 +179,10 @@ type Options struct {
 	ControlMaxConns        int
 	ControlMaxConnsPerHost int
 	// ControlBufferMiB caps the memory held for control messages still
-	// arriving, for all peers together; a message that would pass it is
-	// dropped unread (Stats.ControlOverBudget) and its sender's request
-	// times out.
+	// arriving, for all peers' connections to us together; a message that
+	// would pass it is dropped unread (Stats.ControlOverBudget) and its
+	// sender's request times out. Replies on our connections to peers have
+	// a budget of the same size of their own.
 	ControlBufferMiB int
 	// Logger receives the engine's logs; default: slog's default handler
 	// at LogLevel.

@@ -43,7 +43,11 @@ func TestAttackerProcess(t *testing.T) {
 	case "stall":
 		err = attackStall(target)
 	default:
-		err = fmt.Errorf("unknown attack %q", mode)
+		if f, ok := reviewAttacks[mode]; ok {
+			err = f(target)
+		} else {
+			err = fmt.Errorf("unknown attack %q", mode)
+		}
 	}
 	if err != nil {
 		fmt.Println("ATTACK FAILED:", err)

@@ -46,8 +46,11 @@ type Options struct {
 	// host cannot take every slot.
 	MaxConnsPerHost int
 	// BufferBytes caps the bytes of partly received messages held for all
-	// connections together (default 128 MiB). A message that would pass
-	// it is dropped as it arrives, never buffered.
+	// connections peers opened to us together (default 128 MiB). A message
+	// that would pass it is dropped as it arrives, never buffered. Replies
+	// on our own connections to peers have a budget of the same size of
+	// their own, so strangers holding this one cannot starve the answers
+	// to our requests.
 	BufferBytes uint64
 	// HandshakeTimeout: a connection that has not completed the ZMTP
 	// handshake by then is closed (default 10 s).
@@ -80,6 +83,16 @@ const (
 	rcvHWM = 16
 	// tick is how often the loop checks deadlines when nothing arrives.
 	tick = 250 * time.Millisecond
+	// redialIvl is how often the loop dials again a peer whose connection
+	// did not come up (refused, or nothing answers): a new connection with
+	// a new routing id each time.
+	redialIvl = time.Second
+	// zmqReconnectIvl is libzmq's own interval between connect attempts of
+	// one connection. The loop replaces a connection that went down or did
+	// not come up (see retire and redialIvl), and libzmq's redial of the
+	// old one must never come first: it would send what was left in the
+	// old pipe ahead of any greeting.
+	zmqReconnectIvl = time.Hour
 )
 
 func (o *Options) fill() {
@@ -134,6 +147,8 @@ type op struct {
 	close  bool
 	oneway bool // a one-way message: no reply is awaited
 	noDial bool // send only over a connection that exists
+	typ    MsgType
+	body   []byte // unpacked, for a message to our own name
 }
 
 type reply struct {
@@ -161,6 +176,7 @@ type conn struct {
 	msgSince time.Time // when the message in progress began; zero when none
 	used     time.Time // outbound: when it last carried a message either way
 	queue    [][]byte  // outbound: encoded messages waiting for the peer's READY
+	closing  bool      // inbound: we closed it, libzmq has not yet (see closeInbound)
 }
 
 // Plane is one engine's control plane. Request and Close are safe for
@@ -189,12 +205,14 @@ type Plane struct {
 	waiting map[uint64]waiter
 
 	// Owned by the loop.
-	conns    map[string]*conn // by routing id
-	inByName map[string]*conn // inbound, by the peer's name: the newest wins
-	outPeer  map[string]*conn // outbound, by peer
-	perHost  map[string]int   // inbound connections per remote address
-	buffered uint64           // bytes held by readers (atomic for Stats)
-	dials    uint64           // outbound connections made: their routing ids
+	conns       map[string]*conn   // by routing id
+	inByName    map[string]*conn   // inbound, by the peer's name: the newest wins
+	named       map[string][]*conn // inbound connections past READY, by name, oldest first
+	outPeer     map[string]*conn   // outbound, by peer
+	perHost     map[string]int     // inbound connections per remote address
+	buffered    uint64             // bytes held by readers of inbound connections (atomic for Stats)
+	bufferedOut uint64             // bytes held by readers of our connections to peers
+	dials       uint64             // outbound connections made: their routing ids
 
 	stats counters
 	done  chan struct{}
@@ -220,7 +238,7 @@ func ListenWith(host string, port int, opts Options, log *slog.Logger) (*Plane, 
 	}
 	p := &Plane{log: log, warn: ratelog.New(log), opts: opts, zctx: zctx, handlers: map[MsgType]Handler{},
 		waiting: map[uint64]waiter{}, done: make(chan struct{}),
-		conns: map[string]*conn{}, inByName: map[string]*conn{}, outPeer: map[string]*conn{}, perHost: map[string]int{}}
+		conns: map[string]*conn{}, inByName: map[string]*conn{}, named: map[string][]*conn{}, outPeer: map[string]*conn{}, perHost: map[string]int{}}
 	// Correlation ids start at random, so a restarted engine on the same
 	// port never takes a late reply meant for its previous run.
 	var seed [8]byte
@@ -237,6 +255,9 @@ func ListenWith(host string, port int, opts Options, log *slog.Logger) (*Plane, 
 	}
 	if err := p.stream.SetRcvhwm(rcvHWM); err != nil {
 		return fail(fmt.Errorf("control: RCVHWM: %w", err))
+	}
+	if err := p.stream.SetReconnectIvl(zmqReconnectIvl); err != nil {
+		return fail(fmt.Errorf("control: RECONNECT_IVL: %w", err))
 	}
 	ipv6 := strings.Contains(host, ":")
 	_ = p.stream.SetIpv6(ipv6)
@@ -321,7 +342,7 @@ func (p *Plane) Request(ctx context.Context, peer string, t MsgType, body []byte
 	if len(body) > 0 {
 		frames = append(frames, packed)
 	}
-	if err := p.enqueue(op{peer: peer, frames: frames, corr: corr}); err != nil {
+	if err := p.enqueue(op{peer: peer, frames: frames, corr: corr, typ: t, body: body}); err != nil {
 		return 0, nil, err
 	}
 	select {
@@ -368,7 +389,7 @@ func (p *Plane) sendOneWay(peer string, t MsgType, body []byte, noDial bool) err
 	if len(body) > 0 {
 		frames = append(frames, body)
 	}
-	return p.enqueue(op{peer: peer, frames: frames, oneway: true, noDial: noDial})
+	return p.enqueue(op{peer: peer, frames: frames, oneway: true, noDial: noDial, typ: t, body: body})
 }
 
 // Forget closes our connection to peer; a later Request opens a new one.
@@ -425,7 +446,7 @@ func (p *Plane) Stats() Stats {
 		Unmatched: p.stats.unmatched.Load(), SendFails: p.stats.sendFails.Load(),
 		Conns: int(p.stats.conns.Load()), Peers: int(p.stats.peers.Load()),
 		ConnsRefused: p.stats.refused.Load(), ConnsCut: p.stats.cut.Load(),
-		OverBudget: p.stats.overBudget.Load(), BufferedBytes: atomic.LoadUint64(&p.buffered)}
+		OverBudget: p.stats.overBudget.Load(), BufferedBytes: atomic.LoadUint64(&p.buffered) + atomic.LoadUint64(&p.bufferedOut)}
 }
 
 func (p *Plane) closeSockets() {
@@ -452,8 +473,9 @@ func (p *Plane) loop() {
 		_ = p.wakeRecv.Close()
 	}()
 	lastSweep := time.Now()
+	wait := tick
 	for {
-		polled, err := poller.Poll(tick)
+		polled, err := poller.Poll(wait)
 		if err != nil {
 			if zmq.AsErrno(err) == zmq.Errno(4) { // EINTR
 				continue
@@ -477,9 +499,19 @@ func (p *Plane) loop() {
 			lastSweep = now
 			p.sweep(now)
 		}
+		// At most maxOps of our own sends per turn, as at most maxDrain
+		// messages of the peers': callers sending faster than the loop
+		// must not keep it from the socket's notices and its deadlines.
 		p.opMu.Lock()
 		ops, closed := p.ops, p.closed
 		p.ops = nil
+		if len(ops) > maxOps {
+			ops, p.ops = ops[:maxOps], ops[maxOps:]
+		}
+		wait = tick
+		if len(p.ops) > 0 {
+			wait = 0 // more to do: poll without waiting
+		}
 		p.opMu.Unlock()
 		if closed {
 			return
@@ -496,6 +528,10 @@ func (p *Plane) run(o op) {
 		if c := p.outPeer[o.peer]; c != nil {
 			p.dropOutbound(c)
 		}
+		return
+	}
+	if o.peer == p.name {
+		p.runLocal(o)
 		return
 	}
 	msg := encodeMessage(o.frames)
@@ -528,15 +564,40 @@ func (p *Plane) run(o op) {
 	}
 	if err := p.sendRaw(c.id, msg); err != nil {
 		if zmq.AsErrno(err) == zmq.Errno(syscall.EHOSTUNREACH) {
-			// The connection went down and its notice is still on the
-			// way: libzmq redials it, so queue as for one not up yet.
-			// live stays as the notices left it: the next one says down.
-			p.resetReader(c)
+			// libzmq ended the connection's pipe: queue the message for
+			// a new connection, dialed at the next sweep.
+			p.retire(c)
 			c.queue = append(c.queue, msg)
 			return
 		}
 		p.failOp(o, fmt.Errorf("send: %w", err))
 	}
+}
+
+// runLocal hands a message to our own name to our handlers, as if it had
+// come over a connection from us. A connection to our own bound endpoint
+// cannot be closed: libzmq's zmq_disconnect("tcp://<name>") matches the
+// bind as well as the connect, and tears down the listener with every
+// connection it accepted.
+func (p *Plane) runLocal(o op) {
+	p.stats.received.Add(1)
+	body := append([]byte(nil), o.body...) // the handler may keep it; the caller may reuse it
+	h := p.handlers[o.typ]
+	if o.oneway {
+		if h != nil {
+			h(p.name, body)
+		}
+		return
+	}
+	rt, rb := MsgError, []byte(fmt.Sprintf("no handler for %s", o.typ))
+	if h != nil {
+		rt, rb = h(p.name, body)
+	}
+	if !rt.IsReply() {
+		p.malformed("reply", p.name, fmt.Errorf("%w: %s is not a reply", ErrMalformed, rt))
+		return
+	}
+	p.deliver(o.corr, p.name, reply{env: Envelope{Type: rt, Corr: o.corr}, body: append([]byte(nil), rb...)})
 }
 
 // failOp counts a send that failed and answers its requester at once.
@@ -553,39 +614,74 @@ func (p *Plane) sendRaw(id string, b []byte) error {
 	return err
 }
 
-// dial opens our connection to peer. libzmq reconnects it by itself; the
-// routing id we give it stays across reconnects. Each dial takes a new id:
-// libzmq ends a disconnected connection asynchronously, and an id still in
-// use must not be given again.
+// dial opens our connection to peer. libzmq retries the TCP connect by
+// itself until it succeeds. Each dial takes a new routing id: libzmq ends a
+// disconnected connection asynchronously, and an id still in use must not
+// be given again.
 func (p *Plane) dial(peer string) (*conn, error) {
-	p.dials++
-	id := fmt.Sprintf("o%d", p.dials) // libzmq's own ids start with a zero byte
-	if err := p.stream.SetConnectRid(id); err != nil {
-		return nil, fmt.Errorf("control: routing id: %w", err)
+	c := &conn{name: peer, used: time.Now()}
+	if err := p.connect(c); err != nil {
+		return nil, err
 	}
-	if err := p.stream.Connect("tcp://" + peer); err != nil {
-		return nil, fmt.Errorf("control: connect %s: %w", peer, err)
-	}
-	c := &conn{id: id, name: peer, used: time.Now()}
-	p.conns[c.id] = c
 	p.outPeer[peer] = c
 	p.stats.peers.Add(1)
 	return c, nil
 }
 
+// connect gives c a new routing id and a new libzmq connection.
+func (p *Plane) connect(c *conn) error {
+	p.dials++
+	id := fmt.Sprintf("o%d", p.dials) // libzmq's own ids start with a zero byte
+	if err := p.stream.SetConnectRid(id); err != nil {
+		return fmt.Errorf("control: routing id: %w", err)
+	}
+	if err := p.stream.Connect("tcp://" + c.name); err != nil {
+		return fmt.Errorf("control: connect %s: %w", c.name, err)
+	}
+	c.id, c.live, c.since = id, false, time.Now()
+	p.conns[id] = c
+	return nil
+}
+
+// retire ends the libzmq connection under c, whose TCP connection went
+// down, and keeps c (its peer and queue) for a new one, dialed at the next
+// sweep (until it idles out). libzmq would redial it itself and keep its pipe,
+// but the pipe may hold messages written after the drop and before its
+// notice reached us: they would go out first on the new connection, before
+// our greeting, and the peer would refuse it. A new connection starts
+// clean; what was written into the old one is lost, as on a TCP reset.
+func (p *Plane) retire(c *conn) {
+	if c.id != "" {
+		_ = p.stream.Disconnect("tcp://" + c.name)
+		delete(p.conns, c.id)
+	}
+	p.resetReader(c)
+	c.id, c.live = "", false
+}
+
 // dropOutbound ends our connection to c's peer for good; a later send
 // dials again.
 func (p *Plane) dropOutbound(c *conn) {
-	_ = p.stream.Disconnect("tcp://" + c.name)
-	p.resetReader(c)
-	delete(p.conns, c.id)
+	p.retire(c)
 	delete(p.outPeer, c.name)
 	p.stats.peers.Add(-1)
 }
 
-// closeInbound closes a connection a peer opened to us.
+// closeInbound closes a connection a peer opened to us. An empty message
+// closes a STREAM connection, but libzmq refuses it (EAGAIN) while the
+// connection's send queue is full (a peer that reads nothing) and once the
+// peer's own close is under way. Forgotten then, the connection stayed open
+// and uncounted for ever (a zombie past every cap), or its close notice,
+// still to come, was taken for a new connection. Such a connection stays
+// counted, reads nothing more, and is closed again at each sweep until
+// libzmq takes the close or its notice says it ended.
 func (p *Plane) closeInbound(c *conn) {
-	_ = p.sendRaw(c.id, nil) // an empty message closes a STREAM connection
+	if err := p.sendRaw(c.id, nil); err != nil && zmq.AsErrno(err) == zmq.Errno(syscall.EAGAIN) {
+		p.resetReader(c)
+		p.unname(c)
+		c.closing = true
+		return
+	}
 	p.forgetInbound(c)
 }
 
@@ -593,13 +689,38 @@ func (p *Plane) closeInbound(c *conn) {
 func (p *Plane) forgetInbound(c *conn) {
 	p.resetReader(c)
 	delete(p.conns, c.id)
-	if p.inByName[c.name] == c {
-		delete(p.inByName, c.name)
-	}
+	p.unname(c)
 	if p.perHost[c.host]--; p.perHost[c.host] <= 0 {
 		delete(p.perHost, c.host)
 	}
 	p.stats.conns.Add(-1)
+}
+
+// unname stops routing messages for c's peer name to c.
+func (p *Plane) unname(c *conn) {
+	if l := p.named[c.name]; len(l) > 0 {
+		for i, o := range l {
+			if o == c {
+				l = append(l[:i:i], l[i+1:]...)
+				break
+			}
+		}
+		if len(l) == 0 {
+			delete(p.named, c.name)
+		} else {
+			p.named[c.name] = l
+		}
+	}
+	if p.inByName[c.name] == c {
+		// The newest other connection of that name takes its messages:
+		// a stranger that claimed the name and left must not strand the
+		// peer that still holds a connection under it.
+		if l := p.named[c.name]; len(l) > 0 {
+			p.inByName[c.name] = l[len(l)-1]
+		} else {
+			delete(p.inByName, c.name)
+		}
+	}
 }
 
 func (p *Plane) resetReader(c *conn) {
@@ -611,28 +732,44 @@ func (p *Plane) resetReader(c *conn) {
 }
 
 func (p *Plane) newReader(c *conn) *zmtpReader {
+	// A frame's size is reserved when its header arrives: a few headers of
+	// 16 MiB frames that never come hold the budget until MessageTimeout.
+	// Peers we chose to talk to draw from a budget of their own.
+	held := &p.buffered
+	if !c.inbound {
+		held = &p.bufferedOut
+	}
+	reserve := func(n uint64) bool {
+		if atomic.LoadUint64(held)+n > p.opts.BufferBytes {
+			p.stats.overBudget.Add(1)
+			return false
+		}
+		atomic.AddUint64(held, n)
+		return true
+	}
+	release := func(n uint64) { atomic.AddUint64(held, -n) }
 	rd := newZMTPReader(zmtpLimits{maxFrames: MaxFrames - 1, maxFrame: MaxBody + EnvelopeSize, maxBytes: MaxBody + EnvelopeSize},
-		p.reserve, p.release)
+		reserve, release)
 	rd.onReady = func() error { return p.becameReady(c) }
 	return rd
 }
 
-func (p *Plane) reserve(n uint64) bool {
-	if atomic.LoadUint64(&p.buffered)+n > p.opts.BufferBytes {
-		p.stats.overBudget.Add(1)
-		return false
-	}
-	atomic.AddUint64(&p.buffered, n)
-	return true
-}
+// maxDrain bounds the STREAM messages (a read of up to 8 KiB from one
+// connection, or a connection's notice) one loop turn handles. libzmq reads
+// a connection's bytes far faster than the loop handles the requests in
+// them, so draining until the socket is empty let a few peers writing
+// requests nonstop keep the loop from our own sends and from its deadlines.
+const maxDrain = 64
 
-func (p *Plane) release(n uint64) { atomic.AddUint64(&p.buffered, -n) }
+// maxOps bounds the ops (our own sends) one loop turn runs.
+const maxOps = 256
 
-// drain reads everything waiting on the STREAM socket: connection events
-// (an empty message: the connection opened, or closed if we knew it) and
-// bytes.
+// drain reads what is waiting on the STREAM socket, up to maxDrain
+// messages: connection events (an empty message: the connection opened, or
+// closed if we knew it) and bytes. The loop's next poll returns at once for
+// the rest.
 func (p *Plane) drain() {
-	for {
+	for range maxDrain {
 		msg, meta, err := p.stream.RecvMessageBytesWithMetadata(zmq.DONTWAIT, "Peer-Address")
 		if err != nil {
 			return
@@ -649,9 +786,8 @@ func (p *Plane) drain() {
 			case c == nil: // the end of an outbound connection we dropped
 			case c.inbound:
 				p.forgetInbound(c)
-			case c.live: // our connection went down; libzmq redials it
-				c.live = false
-				p.resetReader(c)
+			case c.live: // our connection went down: a new one replaces it
+				p.retire(c)
 			default: // our connection came up
 				c.live, c.since = true, time.Now()
 				c.rd = p.newReader(c)
@@ -668,11 +804,17 @@ func (p *Plane) drain() {
 
 // accept takes a new inbound connection, or refuses it past the caps.
 func (p *Plane) accept(id, host string) {
-	if len(p.conns)-len(p.outPeer) >= p.opts.MaxConns || p.perHost[host] >= p.opts.MaxConnsPerHost {
-		_ = p.sendRaw(id, nil)
+	if int(p.stats.conns.Load()) >= p.opts.MaxConns || p.perHost[host] >= p.opts.MaxConnsPerHost {
 		p.stats.refused.Add(1)
+		if err := p.sendRaw(id, nil); err != nil && zmq.AsErrno(err) == zmq.Errno(syscall.EAGAIN) {
+			// The peer is already gone and its notice is on its way: keep
+			// the id until it comes (see closeInbound).
+			p.conns[id] = &conn{id: id, inbound: true, host: host, name: id, closing: true}
+			p.perHost[host]++
+			p.stats.conns.Add(1)
+		}
 		p.warn.Warn("refused:"+host, "control: connection refused: too many connections",
-			"peer_address", host, "total", len(p.conns)-len(p.outPeer), "from_address", p.perHost[host],
+			"peer_address", host, "total", int(p.stats.conns.Load()), "from_address", p.perHost[host],
 			"max", p.opts.MaxConns, "max_per_address", p.opts.MaxConnsPerHost)
 		return
 	}
@@ -727,6 +869,7 @@ func (p *Plane) becameReady(c *conn) error {
 			c.name = c.rd.identity
 		}
 		p.inByName[c.name] = c // the newest connection of a name takes its messages
+		p.named[c.name] = append(p.named[c.name], c)
 		return nil
 	}
 	for _, m := range c.queue {
@@ -749,8 +892,34 @@ func (p *Plane) cut(c *conn) {
 
 // sweep closes connections past their deadlines.
 func (p *Plane) sweep(now time.Time) {
+	for _, c := range p.outPeer {
+		if c.id != "" && c.live {
+			continue // up: its reader's deadlines apply, below
+		}
+		// Not connected. Messages queued for longer than PeerIdleTimeout
+		// are stale (their requests have given up): drop them with the
+		// connection, or a peer that never answers keeps a socket
+		// redialing for ever.
+		switch {
+		case now.Sub(c.used) > p.opts.PeerIdleTimeout:
+			p.dropOutbound(c)
+			continue
+		case c.id != "" && now.Sub(c.since) > redialIvl:
+			p.retire(c) // not up yet: dial again, below
+		}
+		if c.id == "" { // retired: dial again, as libzmq would have
+			if err := p.connect(c); err != nil {
+				p.warn.Warn("redial:"+c.name, "control: redial failed", "peer", c.name, "err", err)
+				p.dropOutbound(c)
+			}
+		}
+	}
 	for _, c := range p.conns {
-		if !c.inbound && len(c.queue) == 0 && now.Sub(c.used) > p.opts.PeerIdleTimeout {
+		if c.closing {
+			p.closeInbound(c) // again: libzmq refused the last close
+			continue
+		}
+		if !c.inbound && now.Sub(c.used) > p.opts.PeerIdleTimeout {
 			p.dropOutbound(c) // idle: nothing lost, the next send dials again
 			continue
 		}
