@@ -81,6 +81,17 @@ const (
 	// 8 KiB: the plane drains it continuously, so a short queue costs no
 	// speed and bounds what libzmq holds per connection to 128 KiB.
 	rcvHWM = 16
+	// sndHWM is libzmq's send queue per connection, in messages. Replies
+	// it refuses wait in the connection's backlog, bounded in bytes
+	// (backlogBytes per connection, totalBacklogBytes for all), and go out
+	// in order as it drains; a peer that pipelines and reads never loses
+	// one. A peer whose backlog is full does not read: its further
+	// requests are dropped unanswered, and after stallTimeout with a
+	// backlog it is closed.
+	sndHWM            = 16
+	backlogBytes      = 256 << 10
+	totalBacklogBytes = 64 << 20
+	stallTimeout      = 10 * time.Second
 	// tick is how often the loop checks deadlines when nothing arrives.
 	tick = 250 * time.Millisecond
 	// redialIvl is how often the loop dials again a peer whose connection
@@ -177,6 +188,9 @@ type conn struct {
 	used     time.Time // outbound: when it last carried a message either way
 	queue    [][]byte  // outbound: encoded messages waiting for the peer's READY
 	closing  bool      // inbound: we closed it, libzmq has not yet (see closeInbound)
+	backlog  [][]byte  // inbound: replies libzmq's send queue refused, in order
+	blBytes  int       // their bytes
+	blSince  time.Time // when the backlog last became non-empty
 }
 
 // Plane is one engine's control plane. Request and Close are safe for
@@ -210,6 +224,8 @@ type Plane struct {
 	named       map[string][]*conn // inbound connections past READY, by name, oldest first
 	outPeer     map[string]*conn   // outbound, by peer
 	perHost     map[string]int     // inbound connections per remote address
+	backlogged  map[*conn]struct{} // inbound connections with a reply backlog
+	blTotal     int                // bytes of every backlog
 	buffered    uint64             // bytes held by readers of inbound connections (atomic for Stats)
 	bufferedOut uint64             // bytes held by readers of our connections to peers
 	dials       uint64             // outbound connections made: their routing ids
@@ -238,7 +254,7 @@ func ListenWith(host string, port int, opts Options, log *slog.Logger) (*Plane, 
 	}
 	p := &Plane{log: log, warn: ratelog.New(log), opts: opts, zctx: zctx, handlers: map[MsgType]Handler{},
 		waiting: map[uint64]waiter{}, done: make(chan struct{}),
-		conns: map[string]*conn{}, inByName: map[string]*conn{}, named: map[string][]*conn{}, outPeer: map[string]*conn{}, perHost: map[string]int{}}
+		conns: map[string]*conn{}, inByName: map[string]*conn{}, named: map[string][]*conn{}, outPeer: map[string]*conn{}, perHost: map[string]int{}, backlogged: map[*conn]struct{}{}}
 	// Correlation ids start at random, so a restarted engine on the same
 	// port never takes a late reply meant for its previous run.
 	var seed [8]byte
@@ -255,6 +271,9 @@ func ListenWith(host string, port int, opts Options, log *slog.Logger) (*Plane, 
 	}
 	if err := p.stream.SetRcvhwm(rcvHWM); err != nil {
 		return fail(fmt.Errorf("control: RCVHWM: %w", err))
+	}
+	if err := p.stream.SetSndhwm(sndHWM); err != nil {
+		return fail(fmt.Errorf("control: SNDHWM: %w", err))
 	}
 	if err := p.stream.SetReconnectIvl(zmqReconnectIvl); err != nil {
 		return fail(fmt.Errorf("control: RECONNECT_IVL: %w", err))
@@ -368,8 +387,8 @@ func (p *Plane) Send(peer string, t MsgType, body []byte) error {
 }
 
 // SendIfConnected is Send that never opens a connection: the message goes
-// over a connection that exists (the peer's to us, or ours to it), or is
-// dropped and counted in SendFails. It answers senders nobody vouched for
+// over a connection that exists (ours to the peer first, then the peer's to
+// us), or is dropped and counted in SendFails. It answers senders nobody vouched for
 // (an ABORT's acknowledgement): a made-up sender name costs no socket, and
 // a real one resends until it hears back.
 func (p *Plane) SendIfConnected(peer string, t MsgType, body []byte) error {
@@ -511,6 +530,8 @@ func (p *Plane) loop() {
 		wait = tick
 		if len(p.ops) > 0 {
 			wait = 0 // more to do: poll without waiting
+		} else if len(p.backlogged) > 0 {
+			wait = time.Millisecond // libzmq tells no room in one connection's queue: look again soon
 		}
 		p.opMu.Unlock()
 		if closed {
@@ -518,6 +539,14 @@ func (p *Plane) loop() {
 		}
 		for _, o := range ops {
 			p.run(o)
+		}
+		for _, c := range p.outPeer {
+			if len(c.queue) > 0 && c.live && c.rd != nil && c.rd.ready {
+				p.flush(c) // what a full send queue held back
+			}
+		}
+		for c := range p.backlogged {
+			p.drainBacklog(c)
 		}
 	}
 }
@@ -535,6 +564,17 @@ func (p *Plane) run(o op) {
 		return
 	}
 	msg := encodeMessage(o.frames)
+	if o.noDial {
+		// An answer to a name anyone may claim: our own connection to
+		// that address, when we have one, is the peer itself; a
+		// connection that merely claims the name comes second.
+		if c := p.outPeer[o.peer]; c != nil && c.live && c.rd != nil && c.rd.ready && len(c.queue) < p.opts.MaxQueued {
+			c.used = time.Now()
+			c.queue = append(c.queue, msg)
+			p.flush(c)
+			return
+		}
+	}
 	if o.oneway {
 		if c := p.inByName[o.peer]; c != nil && p.sendRaw(c.id, msg) == nil {
 			return
@@ -562,16 +602,36 @@ func (p *Plane) run(o op) {
 		c.queue = append(c.queue, msg)
 		return
 	}
-	if err := p.sendRaw(c.id, msg); err != nil {
-		if zmq.AsErrno(err) == zmq.Errno(syscall.EHOSTUNREACH) {
-			// libzmq ended the connection's pipe: queue the message for
-			// a new connection, dialed at the next sweep.
-			p.retire(c)
-			c.queue = append(c.queue, msg)
-			return
-		}
-		p.failOp(o, fmt.Errorf("send: %w", err))
+	if len(c.queue) >= p.opts.MaxQueued {
+		p.failOp(o, fmt.Errorf("%w: %d messages queued for %s", ErrOverBudget, len(c.queue), o.peer))
+		return
 	}
+	c.queue = append(c.queue, msg)
+	p.flush(c)
+}
+
+// flush sends c's queued messages in order while libzmq takes them. A full
+// send queue (EAGAIN: the peer reads slowly) keeps the rest for a later
+// turn of the loop; an ended pipe queues them for a new connection.
+func (p *Plane) flush(c *conn) {
+	for len(c.queue) > 0 {
+		err := p.sendRaw(c.id, c.queue[0])
+		switch {
+		case err == nil:
+		case zmq.AsErrno(err) == zmq.Errno(syscall.EAGAIN):
+			return
+		case zmq.AsErrno(err) == zmq.Errno(syscall.EHOSTUNREACH):
+			// libzmq ended the connection's pipe: a new connection,
+			// dialed at the next sweep, takes the queue.
+			p.retire(c)
+			return
+		default:
+			p.stats.sendFails.Add(1)
+		}
+		c.queue[0] = nil
+		c.queue = c.queue[1:]
+	}
+	c.queue = nil
 }
 
 // runLocal hands a message to our own name to our handlers, as if it had
@@ -677,6 +737,7 @@ func (p *Plane) dropOutbound(c *conn) {
 // libzmq takes the close or its notice says it ended.
 func (p *Plane) closeInbound(c *conn) {
 	if err := p.sendRaw(c.id, nil); err != nil && zmq.AsErrno(err) == zmq.Errno(syscall.EAGAIN) {
+		p.dropBacklog(c)
 		p.resetReader(c)
 		p.unname(c)
 		c.closing = true
@@ -687,6 +748,7 @@ func (p *Plane) closeInbound(c *conn) {
 
 // forgetInbound drops an inbound connection's state (it closed).
 func (p *Plane) forgetInbound(c *conn) {
+	p.dropBacklog(c)
 	p.resetReader(c)
 	delete(p.conns, c.id)
 	p.unname(c)
@@ -813,7 +875,7 @@ func (p *Plane) accept(id, host string) {
 			p.perHost[host]++
 			p.stats.conns.Add(1)
 		}
-		p.warn.Warn("refused:"+host, "control: connection refused: too many connections",
+		p.warn.Warn("refused", "control: connection refused: too many connections",
 			"peer_address", host, "total", int(p.stats.conns.Load()), "from_address", p.perHost[host],
 			"max", p.opts.MaxConns, "max_per_address", p.opts.MaxConnsPerHost)
 		return
@@ -845,7 +907,7 @@ func (p *Plane) feed(c *conn, data []byte) {
 	})
 	if err != nil {
 		p.stats.cut.Add(1)
-		p.warn.Warn("proto:"+c.host+c.name, "control: connection closed: protocol error", "peer", c.name, "address", c.host, "err", err)
+		p.warn.Warn("proto", "control: connection closed: protocol error", "peer", c.name, "address", c.host, "err", err)
 		p.cut(c)
 		return
 	}
@@ -872,12 +934,7 @@ func (p *Plane) becameReady(c *conn) error {
 		p.named[c.name] = append(p.named[c.name], c)
 		return nil
 	}
-	for _, m := range c.queue {
-		if err := p.sendRaw(c.id, m); err != nil {
-			p.stats.sendFails.Add(1)
-		}
-	}
-	c.queue = nil
+	p.flush(c)
 	return nil
 }
 
@@ -928,6 +985,8 @@ func (p *Plane) sweep(now time.Time) {
 		}
 		var why string
 		switch {
+		case c.inbound && len(c.backlog) > 0 && now.Sub(c.blSince) > stallTimeout:
+			why = "it does not read its replies"
 		case !c.rd.ready && now.Sub(c.since) > p.opts.HandshakeTimeout:
 			why = "handshake not completed"
 		case !c.msgSince.IsZero() && now.Sub(c.msgSince) > p.opts.MessageTimeout:
@@ -936,7 +995,7 @@ func (p *Plane) sweep(now time.Time) {
 			continue
 		}
 		p.stats.cut.Add(1)
-		p.warn.Warn("timeout:"+c.host+c.name, "control: connection closed: "+why, "peer", c.name, "address", c.host)
+		p.warn.Warn("timeout", "control: connection closed: "+why, "peer", c.name, "address", c.host)
 		p.cut(c)
 	}
 }
@@ -944,6 +1003,12 @@ func (p *Plane) sweep(now time.Time) {
 // handleRequest answers one message a peer sent on its connection to us.
 func (p *Plane) handleRequest(c *conn, frames [][]byte) {
 	from := c.name
+	if c.blBytes >= backlogBytes {
+		// It does not read its replies: answering more would only queue
+		// them. Its requests time out at its end.
+		p.stats.sendFails.Add(1)
+		return
+	}
 	env, err := DecodeEnvelope(frames[0])
 	if err != nil {
 		p.malformed("request", from, err)
@@ -972,10 +1037,57 @@ func (p *Plane) handleRequest(c *conn, frames [][]byte) {
 	if len(rb) > 0 {
 		out = append(out, packed)
 	}
-	if err := p.sendRaw(c.id, encodeMessage(out)); err != nil {
-		p.stats.sendFails.Add(1)
-		p.log.Debug("control: reply not sent", "peer", from, "type", rt, "err", err)
+	p.reply(c, encodeMessage(out))
+}
+
+// reply sends a reply on inbound connection c, behind any backlog; what
+// libzmq's send queue refuses joins the backlog while there is room.
+func (p *Plane) reply(c *conn, msg []byte) {
+	if len(c.backlog) == 0 {
+		err := p.sendRaw(c.id, msg)
+		if err == nil {
+			return
+		}
+		if zmq.AsErrno(err) != zmq.Errno(syscall.EAGAIN) {
+			p.stats.sendFails.Add(1)
+			p.log.Debug("control: reply not sent", "peer", c.name, "err", err)
+			return
+		}
+		c.blSince = time.Now()
+		p.backlogged[c] = struct{}{}
 	}
+	if c.blBytes+len(msg) > backlogBytes && len(c.backlog) > 0 || p.blTotal+len(msg) > totalBacklogBytes {
+		p.stats.sendFails.Add(1)
+		return
+	}
+	c.backlog = append(c.backlog, msg)
+	c.blBytes += len(msg)
+	p.blTotal += len(msg)
+}
+
+// drainBacklog sends what c's backlog holds while libzmq takes it.
+func (p *Plane) drainBacklog(c *conn) {
+	for len(c.backlog) > 0 {
+		err := p.sendRaw(c.id, c.backlog[0])
+		if err != nil && zmq.AsErrno(err) == zmq.Errno(syscall.EAGAIN) {
+			return
+		}
+		if err != nil {
+			p.stats.sendFails.Add(1)
+		}
+		c.blBytes -= len(c.backlog[0])
+		p.blTotal -= len(c.backlog[0])
+		c.backlog[0] = nil
+		c.backlog = c.backlog[1:]
+	}
+	p.dropBacklog(c)
+}
+
+// dropBacklog forgets c's backlog (sent, or its connection ended).
+func (p *Plane) dropBacklog(c *conn) {
+	p.blTotal -= c.blBytes
+	c.backlog, c.blBytes, c.blSince = nil, 0, time.Time{}
+	delete(p.backlogged, c)
 }
 
 // handleReply hands a message that came on our connection to a peer to its
@@ -1028,5 +1140,5 @@ func (p *Plane) malformed(what, peer string, err error) {
 		p.warn.Warn("budget", "control: dropped "+what, "peer", peer, "err", err)
 		return
 	}
-	p.warn.Warn("malformed:"+peer, "control: dropped malformed "+what, "peer", peer, "err", err)
+	p.warn.Warn("malformed", "control: dropped malformed "+what, "peer", peer, "err", err)
 }
