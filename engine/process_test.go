@@ -55,6 +55,12 @@ func runHelper(mode string) int {
 		fmt.Fprintf(os.Stderr, "kvferry test helper: "+format+"\n", args...)
 		return 2
 	}
+	if mode == "data-flood" {
+		if err := dataFlood(os.Getenv(spoofTargetEnv), os.Getenv(spoofCountEnv)); err != nil {
+			return fail("data flood: %v", err)
+		}
+		return 0
+	}
 	if mode == "spoof-aborts" {
 		if err := spoofAborts(os.Getenv(spoofTargetEnv), os.Getenv(spoofCountEnv)); err != nil {
 			return fail("spoof aborts: %v", err)
