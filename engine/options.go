@@ -117,9 +117,10 @@ type Options struct {
 	// DefaultTimeout bounds synchronous transfers whose context carries no
 	// deadline.
 	DefaultTimeout time.Duration
-	// IOTimeout bounds the socket write of one frame (a gathered write of up
-	// to 4 MiB, or one READ answer); the connection is closed when it runs
-	// out.
+	// IOTimeout bounds the socket write of one frame (a gathered write, or
+	// one READ answer), plus its length at TCPMinRate, so a writer never
+	// cuts a frame its reader would accept; the connection is closed when
+	// it runs out.
 	IOTimeout time.Duration
 	// TCPMaxConnsPerPeer caps the tcp data connections accepted from one
 	// IP address and open at once (from the accept, before the handshake:

@@ -75,9 +75,13 @@ func TestIdleConnectionIsClosed(t *testing.T) {
 
 // A request that takes the owner longer than IdleTimeout (held at
 // admission, or slow to copy) is not idleness: it completes, and the
-// connection serves the next one.
+// connection serves the next one. The owner waits for the first WRITE (its
+// idle deadline armed), then both WRITEs come in one write, so it never
+// waits between them: only the request in progress could look idle. (With
+// a 50 ms idle timeout and the second WRITE sent after the first one's
+// answer, a client slower than 50 ms under load failed the test.)
 func TestRequestInProgressIsNotIdle(t *testing.T) {
-	const idle = 50 * time.Millisecond
+	const idle = 500 * time.Millisecond
 	const size = 1 << 20 // copied in two chunks at least
 	for _, slow := range []string{"admission", "copy"} {
 		t.Run(slow, func(t *testing.T) {
@@ -103,17 +107,15 @@ func TestRequestInProgressIsNotIdle(t *testing.T) {
 				var once sync.Once
 				owner.OnEnter(func() { once.Do(func() { time.Sleep(4 * idle) }) }) // the first chunk's copy outlasts the idle timeout
 			}
-			go func() { _, _ = c.Write(writeFrame(1)) }()
+			stream := append(writeFrame(1), writeFrame(2)...)
+			go func() { _, _ = c.Write(stream) }()
 			if release != nil {
 				waitFor(t, 5*time.Second, "the WRITE held at admission", func() bool { return owner.Waiting.Load() == 1 })
 				time.Sleep(4 * idle) // the request stays in progress past the idle timeout
 				release()
 			}
 			for seq := uint64(1); seq <= 2; seq++ {
-				if seq == 2 {
-					go func() { _, _ = c.Write(writeFrame(2)) }()
-				}
-				_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+				_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
 				var ack [tcp.HeaderSize]byte
 				if _, err := io.ReadFull(c, ack[:]); err != nil {
 					t.Fatalf("WRITE %d: no answer: %v (stats %+v)", seq, err, srv.Stats())

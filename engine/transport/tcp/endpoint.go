@@ -168,7 +168,7 @@ func (ep *endpoint) send() {
 			if len(group) == 0 {
 				continue
 			}
-			if !ep.armWrite() {
+			if !ep.armWrite(total + len(group)*HeaderSize) {
 				ep.mu.Lock()
 				ep.queue = append(ep.queue, batch[i:]...)
 				ep.mu.Unlock()
@@ -362,15 +362,16 @@ func sliceErr(h *header, want int) error {
 	return nil
 }
 
-// armWrite sets the write deadline for the next gathered write, unless the
-// path died: fail's past deadline must never be overwritten by a later one.
-func (ep *endpoint) armWrite() bool {
+// armWrite sets the write deadline for the next gathered write, of n bytes,
+// unless the path died: fail's past deadline must never be overwritten by a
+// later one.
+func (ep *endpoint) armWrite(n int) bool {
 	ep.deadlineMu.Lock()
 	defer ep.deadlineMu.Unlock()
 	if ep.dead.Load() {
 		return false
 	}
-	_ = ep.conn.SetWriteDeadline(time.Now().Add(ep.t.opts.IOTimeout))
+	_ = ep.conn.SetWriteDeadline(ep.t.writeDeadline(n))
 	return true
 }
 

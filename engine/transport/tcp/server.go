@@ -268,7 +268,7 @@ func (c *ownerConn) flush() error {
 	if len(c.answers) == 0 {
 		return nil
 	}
-	_ = c.conn.SetWriteDeadline(time.Now().Add(c.t.opts.IOTimeout))
+	_ = c.conn.SetWriteDeadline(c.t.writeDeadline(len(c.answers)))
 	_, _, err := c.raw.writeGuarded(c.answers, nil, nil)
 	c.answers, c.answerFrames, c.answerBytes = c.answers[:0], 0, 0
 	return err
@@ -419,7 +419,11 @@ func (c *ownerConn) serveReads(first *header, initiator string) error {
 		iov = append(iov, frames[len(frames)-HeaderSize:])
 	}
 	c.gatherHdrs = hs[:0]
-	_ = c.conn.SetWriteDeadline(time.Now().Add(t.opts.IOTimeout))
+	n := 0
+	for _, v := range iov {
+		n += len(v)
+	}
+	_ = c.conn.SetWriteDeadline(t.writeDeadline(n))
 	err := c.raw.writevParts(iov, parts, func(p *gatherPart) {
 		// The READ_DONE right after the payload has not gone out yet.
 		rewriteDone(iov[p.iov+1], statusOf(p.refusal), uint64(p.sent))
@@ -497,7 +501,7 @@ func (c *ownerConn) serveRead(h *header, a *transport.Access) error {
 	done.done = uint64(len(tgt.Mem))
 	var tb [HeaderSize]byte
 	done.encode(tb[:])
-	_ = c.conn.SetWriteDeadline(time.Now().Add(t.opts.IOTimeout))
+	_ = c.conn.SetWriteDeadline(t.writeDeadline(len(c.answers) + len(tgt.Mem) + len(tb)))
 	sent, refusal, err := c.raw.writeGuarded(c.answers, tgt.Mem, tgt.Guard, tb[:]...)
 	c.answers, c.answerFrames, c.answerBytes = c.answers[:0], 0, 0
 	if err != nil {

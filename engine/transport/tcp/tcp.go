@@ -31,8 +31,9 @@ type Options struct {
 	// ListenHost is the host to listen on; port is always chosen by the
 	// kernel. Default "127.0.0.1".
 	ListenHost string
-	// IOTimeout bounds one blocked socket write; the connection is closed
-	// when it expires. Default 30 s.
+	// IOTimeout bounds one socket write, plus its length at MinRate (as
+	// for a frame arriving: a large slice on a link above MinRate is not
+	// cut); the connection is closed when it expires. Default 30 s.
 	IOTimeout time.Duration
 	// HandshakeTimeout bounds the HELLO exchange. Default 5 s.
 	HandshakeTimeout time.Duration
@@ -415,6 +416,13 @@ func (t *Transport) Close() error {
 	}
 	t.wg.Wait()
 	return nil
+}
+
+// writeDeadline is the deadline of a socket write of n bytes starting now:
+// IOTimeout plus n at MinRate, the pace a frame arriving is allowed
+// (frameTime), so neither side cuts a frame the other would accept.
+func (t *Transport) writeDeadline(n int) time.Time {
+	return time.Now().Add(t.opts.IOTimeout + time.Duration(int64(n)*int64(time.Second)/int64(t.opts.MinRate)))
 }
 
 // Stats returns a snapshot of the counters.
