@@ -133,7 +133,7 @@ type engineCounters struct {
 	tasksInFlight                                       atomic.Int64
 	abortsSafe, abortsNotSafe, abortAcks, acksUnmatched atomic.Uint64
 	abortResends, abortsReceived, controlDropped        atomic.Uint64
-	acksSent                                            atomic.Uint64
+	acksSent, ownerStageRefused                         atomic.Uint64
 	eventsDropped, notifications, tasksAborted          atomic.Uint64
 	abortsDropped, canceledDropped, tombOwnersForgotten atomic.Uint64
 	stagingInUse, stagers                               atomic.Int64
@@ -361,7 +361,10 @@ type Stats struct {
 	TombstoneOwnersForgotten uint64
 	// GPU staging through host memory.
 	StagingInUse int64 // staging buffers taken and not yet given back
-	Stagers      int64 // goroutines staging slices right now
+	// Peers' accesses to GPU memory refused because the staging they
+	// needed stayed past its bound (256 MiB) for a second.
+	StagingRefused uint64
+	Stagers        int64 // goroutines staging slices right now
 	// Events.
 	EventsDropped uint64 // events dropped because the queue was full
 	Notifications uint64 // notifications received and queued
@@ -420,7 +423,7 @@ func (e *Engine) Stats() Stats {
 		InitiatorTombstones: ntomb, TombstoneOwners: nowners, EventsDropped: e.stats.eventsDropped.Load(),
 		AbortsDropped: e.stats.abortsDropped.Load(), TombstoneOwnersForgotten: e.stats.tombOwnersForgotten.Load(),
 		Notifications: e.stats.notifications.Load(), CanceledDropped: e.stats.canceledDropped.Load(),
-		StagingInUse: e.stats.stagingInUse.Load(), Stagers: e.stats.stagers.Load(),
+		StagingInUse: e.stats.stagingInUse.Load(), StagingRefused: e.stats.ownerStageRefused.Load(), Stagers: e.stats.stagers.Load(),
 		BytesWritten: e.stats.bytesWritten.Load(), BytesRead: e.stats.bytesRead.Load(),
 		TasksCompleted: e.stats.tasksCompleted.Load(), TasksFailed: e.stats.tasksFailed.Load(),
 		TasksCanceled: e.stats.tasksCanceled.Load(), TasksInFlight: e.stats.tasksInFlight.Load(),

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/kvferry/kvferry/cuda"
 	"github.com/kvferry/kvferry/engine/memory"
@@ -25,6 +26,13 @@ type gpu struct {
 	pool      map[int][]*stageBuf // free staging buffers by size class
 	poolBytes int                 // bytes of the buffers in pool
 	reg       *memory.Registry    // staging buffers, never published
+
+	// Staging for peers' accesses (owner side), bounded in bytes: a peer
+	// picks the length of each access, and holds its buffer while its
+	// answer waits on a socket it does not read.
+	ownerMu    sync.Mutex
+	ownerBytes int           // bytes of staging buffers out for peers' accesses
+	ownerFreed chan struct{} // closed (and replaced) when some are given back
 }
 
 // stageBuf is one host staging buffer.
@@ -42,7 +50,53 @@ const (
 	stageMinClass = 16
 	stageKeep     = 16
 	stagePoolMax  = 256 << 20
+	// ownerStageMax caps the staging buffers out for peers' accesses to
+	// GPU memory at once; an access past it waits up to ownerStageWait for
+	// room, then is refused.
+	ownerStageMax  = 256 << 20
+	ownerStageWait = time.Second
 )
+
+// reserveOwnerStage takes n bytes of the owner-side staging budget,
+// waiting up to ownerStageWait for room; it reports whether it got them.
+func (e *Engine) reserveOwnerStage(n int) bool {
+	deadline := time.Now().Add(ownerStageWait)
+	for {
+		e.gpu.ownerMu.Lock()
+		if e.gpu.ownerBytes+n <= ownerStageMax || e.gpu.ownerBytes == 0 {
+			e.gpu.ownerBytes += n
+			e.gpu.ownerMu.Unlock()
+			return true
+		}
+		if e.gpu.ownerFreed == nil {
+			e.gpu.ownerFreed = make(chan struct{})
+		}
+		freed := e.gpu.ownerFreed
+		e.gpu.ownerMu.Unlock()
+		left := time.Until(deadline)
+		if left <= 0 {
+			return false
+		}
+		select {
+		case <-freed:
+		case <-time.After(left):
+			return false
+		case <-e.closed:
+			return false
+		}
+	}
+}
+
+// releaseOwnerStage gives n bytes of the owner-side staging budget back.
+func (e *Engine) releaseOwnerStage(n int) {
+	e.gpu.ownerMu.Lock()
+	e.gpu.ownerBytes -= n
+	if e.gpu.ownerFreed != nil {
+		close(e.gpu.ownerFreed)
+		e.gpu.ownerFreed = nil
+	}
+	e.gpu.ownerMu.Unlock()
+}
 
 func (e *Engine) cuda() (*cuda.Driver, error) {
 	e.gpu.once.Do(func() {
@@ -97,11 +151,20 @@ func gpuOrdinal(loc string) int {
 
 // getStage returns a staging buffer of at least n bytes, page-locked
 // (pinned) through dev's context when the driver allows.
-func (e *Engine) getStage(dev, n int) (*stageBuf, error) {
+// stageSize is the size of the staging buffer an access of n bytes takes:
+// its size class.
+func stageSize(n int) int { return 1 << stageClass(n) }
+
+func stageClass(n int) int {
 	cls := stageMinClass
 	for 1<<cls < n {
 		cls++
 	}
+	return cls
+}
+
+func (e *Engine) getStage(dev, n int) (*stageBuf, error) {
+	cls := stageClass(n)
 	e.gpu.poolMu.Lock()
 	if free := e.gpu.pool[cls]; len(free) > 0 {
 		b := free[len(free)-1]
@@ -182,7 +245,10 @@ func (s *ownerStage) Flush() error {
 	return s.e.gpu.drv.Copy(s.dev, cuda.HostToDevice, s.addr, memory.AddrOf(s.buf.mem), uint64(s.n))
 }
 
-func (s *ownerStage) Release() { s.e.putStage(s.buf) }
+func (s *ownerStage) Release() {
+	s.e.putStage(s.buf)
+	s.e.releaseOwnerStage(len(s.buf.mem))
+}
 
 // stageTarget turns an admitted target in GPU memory into one staged in
 // host memory.
@@ -194,8 +260,14 @@ func (e *Engine) stageTarget(t transport.Target, r *memory.Region, a *transport.
 	if _, err := e.cuda(); err != nil {
 		return transport.Target{}, fmt.Errorf("%w: GPU memory without the CUDA driver: %w", ErrRefused, err)
 	}
+	size := stageSize(int(a.Length))
+	if !e.reserveOwnerStage(size) {
+		e.stats.ownerStageRefused.Add(1)
+		return transport.Target{}, fmt.Errorf("%w: GPU staging for peers' accesses is at its bound (%d MiB)", ErrRefused, ownerStageMax>>20)
+	}
 	buf, err := e.getStage(dev, int(a.Length))
 	if err != nil {
+		e.releaseOwnerStage(size)
 		return transport.Target{}, fmt.Errorf("%w: %w", ErrRefused, err)
 	}
 	t.Mem = buf.mem[:a.Length:a.Length]
