@@ -19,6 +19,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"strconv"
 	"strings"
 	"sync"
@@ -151,6 +152,13 @@ func New(opts Options) (*Engine, error) {
 		return nil, fmt.Errorf("kvferry: options: %w: %w", ErrInvalidArg, err)
 	}
 	host := strings.TrimSuffix(strings.TrimPrefix(opts.Host, "["), "]")
+	// A host name ("localhost", the machine's name, an FQDN) is resolved
+	// once here: both planes listen on its address, and the engine keeps
+	// the name the user gave as its segment name.
+	bindHost, advertise, err := resolveListenHost(host)
+	if err != nil {
+		return nil, fmt.Errorf("kvferry: %w: %w", ErrInvalidArg, err)
+	}
 	e := &Engine{
 		opts: opts, log: opts.Logger, peerLog: ratelog.New(opts.Logger), reg: memory.NewRegistry(),
 		segments: map[string]*Segment{}, live: map[*Batch]struct{}{},
@@ -161,9 +169,9 @@ func New(opts Options) (*Engine, error) {
 		fenced: map[string]map[abortKey]struct{}{}, protoSaid: map[string]string{}, admitted: newAccessCache(),
 	}
 	e.closeCtx, e.cancel = context.WithCancel(context.Background())
-	plane, err := control.ListenWith(host, opts.Port, control.Options{
+	plane, err := control.ListenWith(bindHost, opts.Port, control.Options{
 		MaxConns: opts.ControlMaxConns, MaxConnsPerHost: opts.ControlMaxConnsPerHost,
-		BufferBytes: uint64(opts.ControlBufferMiB) << 20,
+		BufferBytes: uint64(opts.ControlBufferMiB) << 20, Advertise: advertise,
 	}, e.log)
 	if err != nil {
 		// Mostly a host that is not ours or a port in use: the options'
@@ -173,7 +181,7 @@ func New(opts Options) (*Engine, error) {
 	}
 	e.plane = plane
 	e.tcp = tcp.New(tcp.Options{
-		ListenHost: host, IOTimeout: opts.IOTimeout, Logger: e.log, ApplyDelay: opts.Testing.ApplyDelay,
+		ListenHost: bindHost, IOTimeout: opts.IOTimeout, Logger: e.log, ApplyDelay: opts.Testing.ApplyDelay,
 		MaxConnsPerPeer: opts.TCPMaxConnsPerPeer, MaxConns: opts.TCPMaxConns, IdleTimeout: opts.TCPIdleTimeout,
 		FrameTimeout: opts.TCPFrameTimeout, MinRate: opts.TCPMinRate,
 	})
@@ -481,4 +489,34 @@ func (e *Engine) heartbeats() {
 		}
 		wg.Wait()
 	}
+}
+
+// resolveListenHost returns the address to listen on for host and, when
+// host is a name rather than an address literal, the name to advertise.
+// The first IPv4 address is preferred, as peers on IPv4-only networks are
+// the common case; a name with only IPv6 addresses listens on the first.
+func resolveListenHost(host string) (bind, advertise string, err error) {
+	if host == "" {
+		return "127.0.0.1", "", nil
+	}
+	if _, perr := netip.ParseAddr(host); perr == nil {
+		return host, "", nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	addrs, err := net.DefaultResolver.LookupNetIP(ctx, "ip", host)
+	if err != nil {
+		return "", "", fmt.Errorf("resolve host %q: %w", host, err)
+	}
+	if len(addrs) == 0 {
+		return "", "", fmt.Errorf("resolve host %q: no address", host)
+	}
+	pick := addrs[0]
+	for _, a := range addrs {
+		if a.Unmap().Is4() {
+			pick = a.Unmap()
+			break
+		}
+	}
+	return pick.String(), host, nil
 }

@@ -50,7 +50,9 @@ import (
 type Options struct {
 	// Host is the address the control plane and the data plane listen
 	// on, and the host part of the segment name. An IPv6 address is given
-	// bare ("::1"); the name then reads "[::1]:port".
+	// bare ("::1"); the name then reads "[::1]:port". A host name
+	// ("localhost", the machine's name) is resolved by New, to its first
+	// IPv4 address or else its first, and stays the segment name's host.
 	Host string
 	// Port is the control plane's port; 0 picks a free one, reported by
 	// Engine.Name.

@@ -162,7 +162,11 @@ typedef struct kvf_engine_options {
     uint32_t struct_size;       /* sizeof(kvf_engine_options) */
     uint32_t flags;             /* KVF_ENGINE_* flags */
     const char *host;           /* listen address and host part of the segment
-                                   name; NULL: "127.0.0.1". IPv6 bare: "::1" */
+                                   name; NULL: "127.0.0.1". IPv6 bare: "::1".
+                                   A host name ("localhost", the machine's
+                                   name, an FQDN) is resolved at creation
+                                   (its first IPv4 address, else its first)
+                                   and stays the segment name's host */
     const char *protocol;       /* data-plane transport to remote segments:
                                    "auto" (rdma when both ends have an RDMA
                                    device, else tcp; logged once per peer),
@@ -333,7 +337,8 @@ kvf_status kvf_free_buffer(kvf_engine engine, void *addr);
 /* Segments                                                                 */
 /* ------------------------------------------------------------------------ */
 
-/* Opens the segment called name ("host:port"): fetches its descriptor (its
+/* Opens the segment called name ("host:port"; the host may be a name, resolved
+ * when it is used): fetches its descriptor (its
  * registered buffers and transport addresses) from the peer itself. The
  * engine's own name opens the local segment (transfers become a checked
  * memcpy). Blocks up to timeout_ms (> 0, or KVF_TIMEOUT_DEFAULT: the

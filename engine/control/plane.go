@@ -61,6 +61,11 @@ type Options struct {
 	// MaxQueued caps the messages queued for one peer while its connection
 	// is being set up (default 1024); past it sends fail.
 	MaxQueued int
+	// Advertise is the host part of Name when the plane is bound on an
+	// address resolved from a host name: peers know this engine by the
+	// name its user gave ("localhost:port", "node7:port"), not by the
+	// address it resolved to. Empty: the bound address.
+	Advertise string
 	// PeerIdleTimeout closes our connection to a peer after it carried
 	// nothing for that long (default 2 minutes); the next message to the
 	// peer opens it again. So a peer we reached once (a name taken from a
@@ -296,6 +301,10 @@ func ListenWith(host string, port int, opts Options, log *slog.Logger) (*Plane, 
 		return fail(fmt.Errorf("control: bound endpoint: %w", err))
 	}
 	p.name = strings.TrimPrefix(ep, "tcp://")
+	if opts.Advertise != "" {
+		_, port, _ := net.SplitHostPort(p.name)
+		p.name = net.JoinHostPort(opts.Advertise, port)
+	}
 	// Both ways on one socket: an outbound connection gets a routing id we
 	// choose (outID), so it never collides with libzmq's ids for inbound
 	// ones, which start with a zero byte. Set after the bind, IPv6 lets it

@@ -228,11 +228,16 @@ class TransferEngine:
     def initialize(self, local_hostname: str, metadata_server: str, protocol: str,
                    device_name: str) -> int:
         """Creates the engine. ``local_hostname`` is "host" (a free port is
-        picked) or "host:port" (that port is listened on); ``metadata_server``
-        must be "P2PHANDSHAKE"; ``protocol`` is "tcp" or "rdma" and
-        ``KVFERRY_PROTOCOL``, read now, overrides it. ``device_name`` is
-        accepted and unused. Returns 0, or -1 with the reason logged (an
-        unavailable protocol is an error, never a silent fallback)."""
+        picked) or "host:port" (that port is listened on); the host may be a
+        name ("localhost", the machine's name) or an address, and the
+        session id keeps it as given. ``metadata_server`` must be
+        "P2PHANDSHAKE". ``protocol`` is "tcp" or "rdma"; as Mooncake does,
+        "rdma" on a host without a usable RDMA device falls back to tcp
+        with one WARNING naming the reason, and ``MC_FORCE_TCP=1`` forces
+        tcp. ``KVFERRY_PROTOCOL``, read now, overrides both and is strict:
+        ``KVFERRY_PROTOCOL=rdma`` without a device is an error.
+        ``device_name`` is accepted and unused. Returns 0, or -1 with the
+        reason logged."""
         local_hostname = _str(local_hostname, "local_hostname")
         metadata_server = _str(metadata_server, "metadata_server")
         protocol = _str(protocol, "protocol")
@@ -249,10 +254,14 @@ class TransferEngine:
         # it was when the library loaded), so callers that hardcode "rdma"
         # can be pointed at "tcp" without code changes.
         env_proto = os.environ.get("KVFERRY_PROTOCOL")
+        strict = bool(env_proto)
         if env_proto:
             if env_proto != protocol:
                 log.info("KVFERRY_PROTOCOL=%s overrides protocol %r", env_proto, protocol)
             protocol = env_proto
+        elif protocol == "rdma" and os.environ.get("MC_FORCE_TCP", "").lower() in ("1", "true", "yes", "on"):
+            log.info("MC_FORCE_TCP=%s: protocol 'rdma' becomes 'tcp'", os.environ["MC_FORCE_TCP"])
+            protocol = "tcp"
         try:
             host, port = _split_hostport(local_hostname)
         except ValueError as e:
@@ -269,15 +278,46 @@ class TransferEngine:
         opts.default_timeout_ms = self._ms(self._timeout_s)
         out = c_void_p()
         code = self._lib.kvf_engine_create(byref(opts), byref(out))
+        if code == _lib.ERR_UNSUPPORTED and protocol == "rdma" and not strict:
+            # Mooncake's behaviour, which SGLang and vLLM rely on: they
+            # pass "rdma" whatever the host has.
+            reason = self._lib.kvf_last_error().decode(errors="replace")
+            log.warning("kvferry.mooncake: protocol 'rdma' is unavailable here (%s); falling back to tcp, "
+                        "as Mooncake does (set KVFERRY_PROTOCOL=rdma to make this an error)", reason)
+            protocol = "tcp"
+            opts.protocol = protocol.encode()
+            code = self._lib.kvf_engine_create(byref(opts), byref(out))
         if code != _lib.OK:
             msg = self._lib.kvf_last_error().decode(errors="replace")
             if code == _lib.ERR_UNSUPPORTED and "protocol" in msg:
-                msg += (f"; protocol {protocol!r} is unavailable here (no silent fallback): "
-                        "pass 'tcp', or set KVFERRY_PROTOCOL=tcp to override a hardcoded value")
+                msg += (f"; protocol {protocol!r} is unavailable here (KVFERRY_PROTOCOL asks for it strictly): "
+                        "unset it, or set KVFERRY_PROTOCOL=tcp")
             return self._fail(code, f"initialize: {msg}")
         self._engine = out.value
         self._name = _lib.read_string(self._lib.kvf_engine_name, self._engine)
         return 0
+
+    def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str,
+                       device_name: str, metadata_type: str) -> int:
+        """Mooncake's extended initialize: as :meth:`initialize`, with the
+        metadata server's type named. kvferry exchanges descriptors peer
+        to peer: ``metadata_server`` "P2PHANDSHAKE" (any ``metadata_type``,
+        or "p2p") works; other metadata servers (etcd, redis, http) are a
+        clear -1 until cluster metadata lands."""
+        metadata_type = _str(metadata_type, "metadata_type")
+        metadata_server = _str(metadata_server, "metadata_server")
+        if metadata_server != P2PHANDSHAKE:
+            return self._fail(_lib.ERR_UNSUPPORTED,
+                              f"initialize_ext: metadata server {metadata_server!r} of type {metadata_type!r} "
+                              f"is not supported; kvferry exchanges segment descriptors peer to peer: "
+                              f"use {P2PHANDSHAKE!r}")
+        return self.initialize(local_hostname, metadata_server, protocol, device_name)
+
+    def get_engine(self) -> "TransferEngine":
+        """Mooncake returns its underlying C++ engine, which frameworks
+        hand on to components that share it (SGLang's HiCache). kvferry
+        has no separate object: this engine itself is returned."""
+        return self
 
     def get_rpc_port(self) -> int:
         """The port peers reach this engine on (session id "host:port")."""

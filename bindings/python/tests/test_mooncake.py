@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib.util
+import logging
 import os
 import random
 import signal
@@ -410,8 +411,8 @@ def test_wrong_types_raise_type_error(engine: TransferEngine, peer: script.Peer,
 def test_engine_lifecycle_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before initialize() and after close() calls raise RuntimeError
     (Mooncake crashes there); a second initialize() and unsupported
-    metadata servers return -1; "host:port" listens on that port; rdma is an
-    error, not a silent fallback, unless KVFERRY_PROTOCOL overrides it."""
+    metadata servers return -1; "host:port" listens on that port;
+    KVFERRY_PROTOCOL=rdma without a device is an error, not a fallback."""
     e = TransferEngine()
     with pytest.raises(RuntimeError, match="initialize"):
         e.get_rpc_port()
@@ -423,8 +424,10 @@ def test_engine_lifecycle_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVFERRY_PROTOCOL", raising=False)
     assert e.initialize(HOST, "etcd://127.0.0.1:2379", "tcp", "") == -1
     assert "P2PHANDSHAKE" in e.last_error()[1]
+    monkeypatch.setenv("KVFERRY_PROTOCOL", "rdma")
     assert e.initialize(HOST, "P2PHANDSHAKE", "rdma", "mlx5_0") == -1
     assert "rdma" in e.last_error()[1] and "KVFERRY_PROTOCOL" in e.last_error()[1]
+    monkeypatch.delenv("KVFERRY_PROTOCOL")
     assert e.initialize(f"{HOST}:notaport", "P2PHANDSHAKE", "tcp", "") == -1
 
     port = closed_port()
@@ -500,3 +503,48 @@ def test_raw_buffer_copies_refuse_memory_not_ours() -> None:
         assert e.write_bytes_to_buffer(buf, b"abc", 3) < 0  # freed: unmapped
         with pytest.raises(ValueError):
             e.read_bytes_from_buffer(buf, 3)
+
+
+def test_startup_as_sglang_and_vllm_do(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang's and vLLM's Mooncake wrappers pass "rdma" whatever the host
+    has, and a host name: "rdma" without a device falls back to tcp with one
+    WARNING that names the reason (Mooncake does the same), MC_FORCE_TCP=1
+    forces tcp without one, "localhost" and the machine's name work and stay
+    the session id, initialize_ext() takes the metadata type, and
+    get_engine() gives the engine to share."""
+    monkeypatch.delenv("KVFERRY_PROTOCOL", raising=False)
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    with caplog.at_level(logging.WARNING, logger="kvferry.mooncake"):
+        with TransferEngine() as e:
+            assert e.initialize("localhost", "P2PHANDSHAKE", "rdma", "mlx5_0") == 0, e.last_error()
+            assert e.get_session_id() == f"localhost:{e.get_rpc_port()}"
+            assert e.get_engine() is e
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "falling back to tcp" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    assert "rdma" in warnings[0].getMessage()
+
+    caplog.clear()
+    monkeypatch.setenv("MC_FORCE_TCP", "1")
+    with caplog.at_level(logging.WARNING, logger="kvferry.mooncake"):
+        with TransferEngine() as owner, TransferEngine() as init:
+            assert owner.initialize_ext("localhost", "P2PHANDSHAKE", "rdma", "", "p2p") == 0, owner.last_error()
+            host = socket.gethostname()
+            try:
+                socket.getaddrinfo(host, None)
+            except OSError:
+                host = "localhost"  # the machine's name does not resolve here
+            assert init.initialize(host, "P2PHANDSHAKE", "rdma", "") == 0, init.last_error()
+            assert init.get_session_id().startswith(host + ":")
+            b, dst = buf(MiB)
+            c, src = buf(MiB)
+            c[:] = bytes(range(256)) * (MiB // 256)
+            assert owner.register_memory(dst, MiB) == 0
+            assert init.register_memory(src, MiB) == 0
+            assert init.transfer_sync_write(owner.get_session_id(), src, dst, MiB) == 0, init.last_error()
+            assert bytes(b) == bytes(c)
+            assert init.batch_transfer_sync_write(owner.get_session_id(), [src], [dst], [MiB]) == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+
+    with TransferEngine() as f:
+        assert f.initialize_ext("localhost", "etcd://127.0.0.1:2379", "tcp", "", "etcd") == -1
+        assert "P2PHANDSHAKE" in f.last_error()[1]
