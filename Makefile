@@ -11,9 +11,9 @@ export CGO_ENABLED := 1
 # warnings are not ours to fix and would bury ours.
 export CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
 
-.PHONY: all build deps test test-go test-race test-netfault test-netfault-soak vet fmt-check fuzz-short bench run clean
+.PHONY: all build deps distclean test test-go test-race test-netfault test-netfault-soak vet fmt-check fuzz-short bench run clean
 
-all: build
+all: build lib
 
 deps:
 	@scripts/deps.sh
@@ -79,8 +79,15 @@ bench: build
 	scripts/bench.sh
 	$(GO) test -run='^$$' -bench=. -benchtime=2s ./engine/...
 
+# Removes what the build made: the binaries and build/, except build/rxe (the
+# soft-RoCE guest's kernel and initramfs, downloaded once; distclean takes it
+# too), so that a copied tree's stale CMake cache cannot break make install.
 clean:
 	rm -rf $(BIN)
+	@if [ -d $(BUILD_DIR) ]; then find $(BUILD_DIR) -mindepth 1 -maxdepth 1 ! -name rxe -exec rm -rf {} +; fi
+
+distclean: clean
+	rm -rf $(BUILD_DIR)
 
 # C ABI: libkvferry.so, include/kvferry.h(pp), CMake and pkg-config packages,
 # built by CMake (which runs go build -buildmode=c-shared) in BUILD_DIR.

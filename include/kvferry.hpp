@@ -14,6 +14,10 @@
 #ifndef KVFERRY_HPP
 #define KVFERRY_HPP
 
+#if !defined(__cplusplus) || __cplusplus < 201703L
+#error "kvferry.hpp needs C++17 (CMake: set CMAKE_CXX_STANDARD 17 or target_compile_features(<target> PRIVATE cxx_std_17); GCC/Clang: -std=c++17); C code includes kvferry.h"
+#endif
+
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -58,8 +62,8 @@ std::string name_of(H h, F f) {
 // Options of an engine; zero and empty values take the defaults (see
 // kvf_engine_options).
 struct Options {
-    std::string host;     // "" : 127.0.0.1
-    std::string protocol; // "" : tcp
+    std::string host;     // "" : 127.0.0.1; a host name is resolved, and kept as the segment name's host
+    std::string protocol; // "" : auto (rdma when both ends have an RDMA device, else tcp)
     int port = 0;
     int paths_per_peer = 0;
     uint64_t slice_size = 0;
