@@ -65,9 +65,13 @@ def engine_class(impl: str) -> type:
 
 
 def new_engine(impl: str, local_hostname: str = HOST) -> Any:
-    """An initialized engine (P2PHANDSHAKE, tcp), as SGLang creates it."""
+    """An initialized engine (P2PHANDSHAKE; tcp, or the protocol and host
+    KVFERRY_SCRIPT_PROTOCOL and KVFERRY_SCRIPT_HOST name: SGLang passes
+    "rdma" whatever the host has), as SGLang creates it."""
     engine = engine_class(impl)()
-    ret = engine.initialize(local_hostname, "P2PHANDSHAKE", "tcp", "")
+    local_hostname = os.environ.get("KVFERRY_SCRIPT_HOST", local_hostname)
+    protocol = os.environ.get("KVFERRY_SCRIPT_PROTOCOL", "tcp")
+    ret = engine.initialize(local_hostname, "P2PHANDSHAKE", protocol, "")
     if ret != 0:
         raise RuntimeError(f"{impl}: initialize returned {ret}")
     return engine
@@ -112,7 +116,7 @@ def peer_main(impl: str, conn: Connection, local_hostname: str = HOST) -> None:
     except Exception:
         conn.send(("error", traceback.format_exc()))
         return
-    conn.send(("ok", (HOST, engine.get_rpc_port())))
+    conn.send(("ok", (os.environ.get("KVFERRY_SCRIPT_HOST", local_hostname), engine.get_rpc_port())))
     handlers = {
         "alloc": lambda size, register=True: _alloc(engine, mem, size, register),
         "alloc_kv": lambda layers, size: _alloc_kv(engine, mem, layers, size),

@@ -548,3 +548,59 @@ def test_startup_as_sglang_and_vllm_do(monkeypatch: pytest.MonkeyPatch, caplog: 
     with TransferEngine() as f:
         assert f.initialize_ext("localhost", "etcd://127.0.0.1:2379", "tcp", "", "etcd") == -1
         assert "P2PHANDSHAKE" in f.last_error()[1]
+
+
+# ------------------------------------------------------- the supported alias
+
+ALIAS = HERE.parent / "alias"
+
+
+def _real_mooncake_installed() -> bool:
+    import importlib.metadata as md
+
+    names = {(d.metadata.get("Name") or "").lower() for d in md.distributions()}
+    return bool(names & {"mooncake-transfer-engine", "mooncake-transfer-engine-non-cuda", "mooncake"})
+
+
+def _alias_env(*paths: Path, **extra: str) -> dict:
+    env = dict(os.environ)
+    env.pop("KVFERRY_PROTOCOL", None)
+    env.pop("MC_FORCE_TCP", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(p) for p in paths] + [str(HERE.parent)]
+                                        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra)
+    return env
+
+
+def test_alias_runs_the_sglang_script_unchanged() -> None:
+    """With kvferry-mooncake-alias installed (here: on the path), SGLang's
+    own import, ``from mooncake.engine import TransferEngine``, gives
+    kvferry, and the SGLang-like script runs unchanged with "rdma" and
+    "localhost" on a host without RDMA: one WARNING says rdma fell back to
+    tcp, and every page verifies."""
+    if _real_mooncake_installed():
+        pytest.skip("a real Mooncake is installed in this interpreter: the alias refuses to load next to it "
+                    "(test_alias_refuses_to_shadow_a_real_mooncake)")
+    env = _alias_env(ALIAS, KVFERRY_SCRIPT_PROTOCOL="rdma", KVFERRY_SCRIPT_HOST="localhost")
+    r = subprocess.run([sys.executable, str(HERE / "mooncake_shim_script.py"), "--impl", "mooncake"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), r.stdout + r.stderr
+    assert "falling back to tcp" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-c", "import mooncake.engine as m, kvferry.mooncake as k; "
+                        "assert m.TransferEngine is k.TransferEngine; print('kvferry')"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "kvferry", r.stdout + r.stderr
+
+
+def test_alias_refuses_to_shadow_a_real_mooncake(tmp_path: Path) -> None:
+    """Next to an installed Mooncake (its distribution metadata is enough)
+    the alias refuses to load, naming both, instead of silently shadowing
+    Mooncake or being shadowed by it."""
+    dist = tmp_path / "mooncake_transfer_engine-0.3.13.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mooncake-transfer-engine\nVersion: 0.3.13\n")
+    r = subprocess.run([sys.executable, "-c", "from mooncake.engine import TransferEngine"],
+                       capture_output=True, text=True, timeout=60, env=_alias_env(ALIAS, tmp_path))
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "ImportError" in r.stderr and "mooncake-transfer-engine 0.3.13" in r.stderr \
+        and "kvferry-mooncake-alias" in r.stderr, r.stderr
