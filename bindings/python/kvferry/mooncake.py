@@ -382,7 +382,7 @@ class TransferEngine:
     def register_memory(self, buffer_addr: int, capacity: int, location: str = "*") -> int:
         """Registers [buffer_addr, +capacity). 0, or -7 (overlaps a
         registered range), -1 (invalid: zero length, address below 4096, a
-        GPU location)."""
+        GPU location without the CUDA driver)."""
         addr = _uint(buffer_addr, "buffer_addr")
         length = _uint(capacity, "capacity")
         loc = _str(location, "location")
