@@ -317,6 +317,46 @@ private:
     size_t n_ = 0;
 };
 
+// Registration keeps [addr, addr+len) registered with an engine for its
+// lifetime: the destructor unregisters it, returning once no transfer
+// touches the range, after which the memory may be freed. Movable, not
+// copyable; the engine must outlive it. An unregistration that fails in the
+// destructor (the engine destroyed first) is ignored: call reset() to see
+// the error as an exception.
+class Registration {
+public:
+    Registration() = default;
+    Registration(kvf_engine e, void *addr, size_t len, const char *location = nullptr) : e_(e) {
+        detail::check(kvf_register_memory(e, addr, len, location));
+        addr_ = addr;
+    }
+    ~Registration() {
+        if (addr_ != nullptr) (void)kvf_unregister_memory(e_, addr_);
+    }
+    Registration(Registration &&o) noexcept : e_(o.e_), addr_(std::exchange(o.addr_, nullptr)) {}
+    Registration &operator=(Registration &&o) noexcept {
+        if (this != &o) {
+            if (addr_ != nullptr) (void)kvf_unregister_memory(e_, addr_);
+            e_ = o.e_;
+            addr_ = std::exchange(o.addr_, nullptr);
+        }
+        return *this;
+    }
+    Registration(const Registration &) = delete;
+    Registration &operator=(const Registration &) = delete;
+
+    // Unregisters now (throws on failure); the registration is then empty.
+    void reset() {
+        if (addr_ != nullptr) detail::check(kvf_unregister_memory(e_, std::exchange(addr_, nullptr)));
+    }
+    void *addr() const noexcept { return addr_; }
+    explicit operator bool() const noexcept { return addr_ != nullptr; }
+
+private:
+    kvf_engine e_ = nullptr;
+    void *addr_ = nullptr;
+};
+
 // Engine is one transfer engine.
 class Engine {
 public:
@@ -348,6 +388,10 @@ public:
         detail::check(kvf_register_memory(h_, addr, len, location));
     }
     void unregister_memory(void *addr) { detail::check(kvf_unregister_memory(h_, addr)); }
+    // register_memory whose result unregisters when it goes out of scope.
+    Registration register_scoped(void *addr, size_t len, const char *location = nullptr) {
+        return Registration(h_, addr, len, location);
+    }
     Buffer alloc_buffer(size_t len, const char *location = nullptr) {
         void *p = nullptr;
         detail::check(kvf_alloc_buffer(h_, len, location, &p));

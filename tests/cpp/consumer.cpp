@@ -66,6 +66,28 @@ int main() {
             EXPECT(e.code() == KVF_ERR_INVALID);
             EXPECT(std::string(e.code_str()) == "invalid argument");
         }
+        // A scoped registration: registered while it lives, unregistered
+        // (and registrable again) once it is gone; moving it moves the duty.
+        {
+            std::vector<char> mem(1 << 16);
+            kvferry::Registration outer;
+            {
+                kvferry::Registration r = a.register_scoped(mem.data(), mem.size());
+                EXPECT(r && r.addr() == mem.data());
+                try {
+                    a.register_memory(mem.data(), mem.size());
+                    EXPECT(false);
+                } catch (const kvferry::Error &e) {
+                    EXPECT(e.code() == KVF_ERR_OVERLAP);
+                }
+                outer = std::move(r);
+                EXPECT(!r && outer);
+            }
+            outer.reset();
+            EXPECT(!outer);
+            kvferry::Registration again = a.register_scoped(mem.data(), mem.size());
+            EXPECT(again);
+        }
         // Safe abort: b owns dst, a wrote request 1 into it. a hears of it
         // (an event, its fd readable) and can write request 1 no more.
         const int efd = a.event_fd();
