@@ -129,7 +129,11 @@ func engineOptions(copts *C.kvf_engine_options) (engine.Options, int, error) {
 	}
 	o.HeartbeatMisses = int(c.heartbeat_misses)
 	switch c.log_level {
-	case C.KVF_LOG_DEFAULT, C.KVF_LOG_INFO:
+	case C.KVF_LOG_DEFAULT:
+		// A host process (a serving framework) wants problems in its log,
+		// not a line per peer: warn, unless KVFERRY_LOG_LEVEL says more.
+		o.LogLevel = slog.LevelWarn
+	case C.KVF_LOG_INFO:
 		o.LogLevel = slog.LevelInfo
 	case C.KVF_LOG_DEBUG:
 		o.LogLevel = slog.LevelDebug

@@ -144,7 +144,8 @@ typedef struct kvf_batch_s *kvf_batch;     /* a set of requests waited on togeth
 
 /* Log levels of kvf_engine_options.log_level. */
 enum {
-    KVF_LOG_DEFAULT = 0, /* KVFERRY_LOG_LEVEL, else info */
+    KVF_LOG_DEFAULT = 0, /* KVFERRY_LOG_LEVEL, else warn (a host process's
+                            log gets problems, not a line per peer) */
     KVF_LOG_DEBUG = 1,
     KVF_LOG_INFO = 2,
     KVF_LOG_WARN = 3,

@@ -673,7 +673,8 @@ class Engine:
     ``paths_per_peer`` (4), ``slice_size`` (1 MiB), ``max_retries`` (2; -1
     none), ``default_timeout_ms`` (30000), ``io_timeout_ms`` (30000),
     ``heartbeat_ms`` (1000), ``heartbeat_misses`` (5), ``log_level`` (int
-    KVF_LOG_* or "debug"/"info"/"warn"/"error"/"off"), ``go_max_procs``
+    KVF_LOG_* or "debug"/"info"/"warn"/"error"/"off"; default
+    ``KVFERRY_LOG_LEVEL``, else warn), ``go_max_procs``
     (GOMAXPROCS, 0 keeps it; process-wide, not per engine: one Go runtime
     serves every engine, so the last engine created with a value sets it).
 
