@@ -249,21 +249,31 @@ func (r aliasResolver) Resolve(ctx context.Context, name string) (*control.Descr
 // task ends ABORTED. An initiator that matches an ABORT only against the
 // name of the segment finds no task of R and answers "drained" at once
 // while R's writes go on.
-func TestRDMADrainAwareAckHoldsForASegmentOpenedByAnAlias(t *testing.T) {
-	const size, rid = 16 << 20, 91
-	owner := newEngineWith(t, rdmaOpts(t, engine.Options{RDMANoFence: true, RDMADevices: fakeverbs.Devices("owner")}))
+// aliasedPair starts an rdma owner with ownerOpts and an initiator, on one
+// path, that reaches it also by an alias, "localhost:<port>"
+// (aliasResolver).
+func aliasedPair(t *testing.T, ownerOpts engine.Options) (owner, init *engine.Engine, alias string) {
+	t.Helper()
+	ownerOpts.RDMADevices = fakeverbs.Devices("owner")
+	owner = newEngineWith(t, rdmaOpts(t, ownerOpts))
 	_, port, err := net.SplitHostPort(owner.Name())
 	if err != nil {
 		t.Fatal(err)
 	}
-	alias := net.JoinHostPort("localhost", port)
+	alias = net.JoinHostPort("localhost", port)
 	if alias == owner.Name() {
 		t.Fatalf("alias %s is the owner's own name", alias)
 	}
-	init := newEngineWith(t, rdmaOpts(t, engine.Options{
+	init = newEngineWith(t, rdmaOpts(t, engine.Options{
 		Resolver: aliasResolver{alias, owner}, RDMADevices: fakeverbs.Devices("initiator"),
 		PathsPerPeer: 1, HeartbeatInterval: time.Minute,
 	}))
+	return owner, init, alias
+}
+
+func TestRDMADrainAwareAckHoldsForASegmentOpenedByAnAlias(t *testing.T) {
+	const size, rid = 16 << 20, 91
+	owner, init, alias := aliasedPair(t, engine.Options{RDMANoFence: true})
 	dst, src := alloc(t, owner, size), alloc(t, init, size)
 	fillByte(src, oldByte)
 	seg := openSegment(t, init, alias)

@@ -3,7 +3,6 @@ package engine_test
 import (
 	"bytes"
 	"errors"
-	"net"
 	"testing"
 	"time"
 
@@ -38,19 +37,7 @@ func TestRDMAAbortHeardFromAnAliasStopsWorkOnTheOwnNameSegment(t *testing.T) {
 	} {
 		t.Run(row.name, func(t *testing.T) {
 			const size, rid = 16 << 20, 93
-			owner := newEngineWith(t, rdmaOpts(t, engine.Options{RDMANoFence: row.noFence, RDMAFenceGrace: row.grace, RDMADevices: fakeverbs.Devices("owner")}))
-			_, port, err := net.SplitHostPort(owner.Name())
-			if err != nil {
-				t.Fatal(err)
-			}
-			alias := net.JoinHostPort("localhost", port)
-			if alias == owner.Name() {
-				t.Fatalf("alias %s is the owner's own name", alias)
-			}
-			init := newEngineWith(t, rdmaOpts(t, engine.Options{
-				Resolver: aliasResolver{alias, owner}, RDMADevices: fakeverbs.Devices("initiator"),
-				PathsPerPeer: 1, HeartbeatInterval: time.Minute,
-			}))
+			owner, init, alias := aliasedPair(t, engine.Options{RDMANoFence: row.noFence, RDMAFenceGrace: row.grace})
 			dst, src := alloc(t, owner, size), alloc(t, init, size)
 			fillByte(src, oldByte)
 			own := openSegment(t, init, owner.Name())

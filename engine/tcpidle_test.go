@@ -31,6 +31,7 @@ func TestIdledOutPathsNeverFailATransfer(t *testing.T) {
 	transfer(t, init, 30*time.Second, read(src, seg, engine.AddrOf(dst), size))
 	requireEqual(t, "read back after the paths idled out", src, pattern(size, 3))
 
+	idledBefore := init.Stats().PathsIdledOut
 	rng := rand.New(rand.NewPCG(1, 2))
 	deadline := time.Now().Add(3 * time.Second)
 	rounds := 0
@@ -47,4 +48,9 @@ func TestIdledOutPathsNeverFailATransfer(t *testing.T) {
 		t.Fatalf("stats %+v: a transfer failed or retried", st)
 	}
 	t.Logf("%d transfers around the idle timeout; %d paths idled out", rounds, st.PathsIdledOut)
+	// The sleeps only aim at the idle timeout; on a slow machine they may
+	// miss it every time, and then the rounds proved nothing.
+	if st.PathsIdledOut == idledBefore {
+		t.Fatal("no path idled out between the rounds: no transfer met the owner's idle close")
+	}
 }

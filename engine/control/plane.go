@@ -225,8 +225,7 @@ type Plane struct {
 
 	// Owned by the loop.
 	conns       map[string]*conn   // by routing id
-	inByName    map[string]*conn   // inbound, by the peer's name: the newest wins
-	named       map[string][]*conn // inbound connections past READY, by name, oldest first
+	named       map[string][]*conn // inbound connections past READY, by name, oldest first: the newest takes the name's messages
 	outPeer     map[string]*conn   // outbound, by peer
 	perHost     map[string]int     // inbound connections per remote address
 	backlogged  map[*conn]struct{} // inbound connections with a reply backlog
@@ -259,7 +258,7 @@ func ListenWith(host string, port int, opts Options, log *slog.Logger) (*Plane, 
 	}
 	p := &Plane{log: log, warn: ratelog.New(log), opts: opts, zctx: zctx, handlers: map[MsgType]Handler{},
 		waiting: map[uint64]waiter{}, done: make(chan struct{}),
-		conns: map[string]*conn{}, inByName: map[string]*conn{}, named: map[string][]*conn{}, outPeer: map[string]*conn{}, perHost: map[string]int{}, backlogged: map[*conn]struct{}{}}
+		conns: map[string]*conn{}, named: map[string][]*conn{}, outPeer: map[string]*conn{}, perHost: map[string]int{}, backlogged: map[*conn]struct{}{}}
 	// Correlation ids start at random, so a restarted engine on the same
 	// port never takes a late reply meant for its previous run.
 	var seed [8]byte
@@ -550,7 +549,7 @@ func (p *Plane) loop() {
 			p.run(o)
 		}
 		for _, c := range p.outPeer {
-			if len(c.queue) > 0 && c.live && c.rd != nil && c.rd.ready {
+			if len(c.queue) > 0 && c.ready() {
 				p.flush(c) // what a full send queue held back
 			}
 		}
@@ -577,7 +576,7 @@ func (p *Plane) run(o op) {
 		// An answer to a name anyone may claim: our own connection to
 		// that address, when we have one, is the peer itself; a
 		// connection that merely claims the name comes second.
-		if c := p.outPeer[o.peer]; c != nil && c.live && c.rd != nil && c.rd.ready && len(c.queue) < p.opts.MaxQueued {
+		if c := p.outPeer[o.peer]; c != nil && c.ready() && len(c.queue) < p.opts.MaxQueued {
 			c.used = time.Now()
 			c.queue = append(c.queue, msg)
 			p.flush(c)
@@ -585,7 +584,7 @@ func (p *Plane) run(o op) {
 		}
 	}
 	if o.oneway {
-		if c := p.inByName[o.peer]; c != nil && p.sendRaw(c.id, msg) == nil {
+		if c := p.newestNamed(o.peer); c != nil && p.sendRaw(c.id, msg) == nil {
 			return
 		}
 		// No connection from the peer: go through ours.
@@ -603,21 +602,19 @@ func (p *Plane) run(o op) {
 		}
 	}
 	c.used = time.Now()
-	if !c.live || c.rd == nil || !c.rd.ready {
-		if len(c.queue) >= p.opts.MaxQueued {
-			p.failOp(o, fmt.Errorf("%w: %d messages queued for %s", ErrOverBudget, len(c.queue), o.peer))
-			return
-		}
-		c.queue = append(c.queue, msg)
-		return
-	}
 	if len(c.queue) >= p.opts.MaxQueued {
 		p.failOp(o, fmt.Errorf("%w: %d messages queued for %s", ErrOverBudget, len(c.queue), o.peer))
 		return
 	}
 	c.queue = append(c.queue, msg)
-	p.flush(c)
+	if c.ready() {
+		p.flush(c) // else the peer's READY flushes it (becameReady)
+	}
 }
+
+// ready reports whether our connection c is up and past the peer's READY,
+// so messages may go out on it.
+func (c *conn) ready() bool { return c.live && c.rd != nil && c.rd.ready }
 
 // flush sends c's queued messages in order while libzmq takes them. A full
 // send queue (EAGAIN: the peer reads slowly) keeps the rest for a later
@@ -767,30 +764,30 @@ func (p *Plane) forgetInbound(c *conn) {
 	p.stats.conns.Add(-1)
 }
 
-// unname stops routing messages for c's peer name to c.
+// newestNamed is the inbound connection that takes messages for name: the
+// newest of that name, so a reconnecting peer takes over at once.
+func (p *Plane) newestNamed(name string) *conn {
+	if l := p.named[name]; len(l) > 0 {
+		return l[len(l)-1]
+	}
+	return nil
+}
+
+// unname stops routing messages for c's peer name to c. The newest other
+// connection of that name takes them: a stranger that claimed the name and
+// left must not strand the peer that still holds a connection under it.
 func (p *Plane) unname(c *conn) {
-	if l := p.named[c.name]; len(l) > 0 {
-		for i, o := range l {
-			if o == c {
-				l = append(l[:i:i], l[i+1:]...)
-				break
-			}
-		}
-		if len(l) == 0 {
-			delete(p.named, c.name)
-		} else {
-			p.named[c.name] = l
+	l := p.named[c.name]
+	for i, o := range l {
+		if o == c {
+			l = append(l[:i:i], l[i+1:]...)
+			break
 		}
 	}
-	if p.inByName[c.name] == c {
-		// The newest other connection of that name takes its messages:
-		// a stranger that claimed the name and left must not strand the
-		// peer that still holds a connection under it.
-		if l := p.named[c.name]; len(l) > 0 {
-			p.inByName[c.name] = l[len(l)-1]
-		} else {
-			delete(p.inByName, c.name)
-		}
+	if len(l) == 0 {
+		delete(p.named, c.name)
+	} else {
+		p.named[c.name] = l
 	}
 }
 
@@ -939,8 +936,7 @@ func (p *Plane) becameReady(c *conn) error {
 		if c.rd.identity != "" {
 			c.name = c.rd.identity
 		}
-		p.inByName[c.name] = c // the newest connection of a name takes its messages
-		p.named[c.name] = append(p.named[c.name], c)
+		p.named[c.name] = append(p.named[c.name], c) // the newest connection of a name takes its messages
 		return nil
 	}
 	p.flush(c)
