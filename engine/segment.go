@@ -350,10 +350,10 @@ func (s *Segment) heartbeat(err error) {
 	if int(s.misses.Add(1)) < s.e.opts.HeartbeatMisses {
 		return
 	}
-	// A dead peer keeps no socket of ours: its control socket (a ZMQ
-	// DEALER, which would hold a descriptor and reconnect for ever) is
-	// closed after every missed ping, and a dead segment is probed with a
-	// plain connect before it is pinged again (heartbeats).
+	// A dead peer keeps no socket of ours: our control connection to it
+	// (which would hold a descriptor and reconnect for ever) is closed
+	// after every missed ping, and a dead segment is probed with a plain
+	// connect before it is pinged again (heartbeats).
 	s.e.plane.Forget(s.name)
 	if !s.dead.CompareAndSwap(false, true) {
 		return
