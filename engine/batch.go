@@ -130,6 +130,7 @@ type task struct {
 	status      atomic.Int32
 	final       atomic.Int32 // status a cancel imposes, 0 if none
 	cutting     atomic.Bool  // a cancel has taken the task's slices to cut
+	epoch       uint64       // the owner's fence epoch it was planned under (see stampFences)
 	remaining   atomic.Int32 // slices not ended
 	transferred atomic.Uint64
 	errMu       sync.Mutex
@@ -210,8 +211,12 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	// (see handleAbort).
 	var aborted []*task
 	anyRID := slices.ContainsFunc(tasks, func(t *task) bool { return t.req.RequestID != 0 })
+	// Shared with FENCE's handler too: each task is stamped with its
+	// owner's fence epoch either before a fence was learned or after it
+	// (see handleFence), never half-way.
+	e.abortMu.RLock()
+	stampFences(tasks)
 	if anyRID {
-		e.abortMu.RLock()
 		if len(e.tombs) > 0 {
 			for _, t := range tasks {
 				if t.req.RequestID != 0 && e.segAbortedLocked(t.req.Segment, t.req.RequestID, t.req.Generation) {
@@ -225,9 +230,7 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	if b.freed || len(b.tasks)+len(tasks) > b.capacity {
 		freed := b.freed
 		b.mu.Unlock()
-		if anyRID {
-			e.abortMu.RUnlock()
-		}
+		e.abortMu.RUnlock()
 		if freed {
 			return ErrBatchFreed
 		}
@@ -254,9 +257,7 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 		b.tainted.Store(true)
 	}
 	b.mu.Unlock()
-	if anyRID {
-		e.abortMu.RUnlock()
-	}
+	e.abortMu.RUnlock()
 	e.stats.tasksInFlight.Add(int64(len(tasks)))
 	if len(aborted) > 0 {
 		// Their owner aborted the request: they end ABORTED unposted.
@@ -267,6 +268,28 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	}
 	b.post(ctx, tasks, sl)
 	return nil
+}
+
+// stampFences stamps each task, and its slices, with the fence epoch its
+// owner told us last (our own, for the local segment): the owner refuses
+// them for ranges it fences later.
+func stampFences(tasks []*task) {
+	var seg *Segment
+	var ep uint64
+	for _, t := range tasks {
+		if s := t.req.Segment; s != seg {
+			seg = s
+			if s.self {
+				ep = s.e.fences.Epoch()
+			} else {
+				ep = s.fences.Epoch()
+			}
+		}
+		t.epoch = ep
+		for j := range t.slices {
+			t.slices[j].Epoch = ep
+		}
+	}
 }
 
 // plan validates the requests and cuts them into slices.
@@ -496,6 +519,12 @@ func (s *sliceT) retry() {
 		s.Finish(fmt.Errorf("local memory [%#x, +%d): %w", memory.AddrOf(s.Local), len(s.Local), memory.ErrUnregistered))
 		return
 	}
+	if t.fenceVoid() {
+		// Its owner fenced a range of it after it was planned: posting it
+		// again would route around the fence (SAFETY.md promise 6).
+		s.Finish(fmt.Errorf("%w: %w: planned at fence epoch %d", transport.ErrRefused, transport.ErrFenced, t.epoch))
+		return
+	}
 	seg := t.req.Segment
 	ctx, cancel := context.WithTimeout(context.Background(), pathTimeout)
 	defer cancel()
@@ -539,7 +568,9 @@ func (t *task) finish() {
 		t.err = fmt.Errorf("%s of [%#x, +%d) at %s: %w", t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, t.err)
 	} else if t.err != nil {
 		st = Failed
-		if errors.Is(t.err, ErrStaleKey) && errors.Is(t.err, ErrRefused) {
+		if errors.Is(t.err, ErrRefused) && (errors.Is(t.err, ErrStaleKey) || errors.Is(t.err, ErrFenced)) {
+			// Refresh before the next plan: new keys, or the owner's
+			// fence epoch when its notice did not reach us.
 			t.req.Segment.stale.Store(true)
 		}
 		t.err = fmt.Errorf("%s of [%#x, +%d) at %s: %w: %w", t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, ErrTransferFailed, t.err)

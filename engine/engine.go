@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/fence"
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/requests"
 	"github.com/kvferry/kvferry/engine/transport"
@@ -118,6 +119,14 @@ type Engine struct {
 	protoMu   sync.Mutex
 	protoSaid map[string]string // peer -> transport chosen, logged once
 
+	// Owner side of fences by memory range: the fenced ranges by epoch,
+	// the peers that may plan transfers to us (they fetched our
+	// descriptor), and fences awaiting FENCE_ACKs (under pendMu).
+	fences     *fence.Table
+	planMu     sync.Mutex
+	planners   map[string]time.Time
+	pendFences map[uint64]*pendingFence
+
 	gpu gpu // the CUDA driver, opened on first use of GPU memory
 
 	evMu     sync.Mutex
@@ -135,6 +144,8 @@ type engineCounters struct {
 	abortsSafe, abortsNotSafe, abortAcks, acksUnmatched atomic.Uint64
 	abortResends, abortsReceived, controlDropped        atomic.Uint64
 	acksSent, ownerStageRefused                         atomic.Uint64
+	fencesSafe, fencesNotSafe, fenceAcks                atomic.Uint64
+	fenceAcksUnmatched, fencesReceived, fenceRefused    atomic.Uint64
 	eventsDropped, notifications, tasksAborted          atomic.Uint64
 	abortsDropped, canceledDropped, tombOwnersForgotten atomic.Uint64
 	stagingInUse, stagers                               atomic.Int64
@@ -167,6 +178,7 @@ func New(opts Options) (*Engine, error) {
 		pending: map[abortKey]*pendingAbort{}, tombs: map[tombKey]*tombstone{}, tombQueues: map[string][]uint64{},
 		events: make(chan Event, opts.EventQueue), efd: -1, maxTombOwners: MaxTombstoneOwners,
 		fenced: map[string]map[abortKey]struct{}{}, protoSaid: map[string]string{}, admitted: newAccessCache(),
+		fences: fence.New(), planners: map[string]time.Time{}, pendFences: map[uint64]*pendingFence{},
 	}
 	e.closeCtx, e.cancel = context.WithCancel(context.Background())
 	plane, err := control.ListenWith(bindHost, opts.Port, control.Options{
@@ -192,6 +204,7 @@ func New(opts Options) (*Engine, error) {
 		return nil, fmt.Errorf("kvferry: %w: %w", ErrInvalidArg, err)
 	}
 	e.local = local.New(e, plane.Name())
+	e.local.ChunkDelay = opts.Testing.LocalChunkDelay
 	e.desc = control.Descriptor{
 		Name: plane.Name(), Version: control.ProtocolVersion,
 		Transports: []control.TransportAddr{{Name: "tcp", Addr: tcpAddr}},
@@ -213,6 +226,8 @@ func New(opts Options) (*Engine, error) {
 	plane.Handle(control.MsgNotify, e.handleNotify)
 	plane.Handle(control.MsgCanceled, e.handleCanceled)
 	plane.Handle(control.MsgTransport, e.handleTransport)
+	plane.Handle(control.MsgFence, e.handleFence)
+	plane.Handle(control.MsgFenceAck, e.handleFenceAck)
 	plane.Start()
 	e.bg.Add(1)
 	go e.heartbeats()
@@ -234,6 +249,7 @@ func (e *Engine) Port() int {
 func (e *Engine) Descriptor() *control.Descriptor {
 	d := e.desc
 	d.Epoch = e.epoch.Load()
+	d.FenceEpoch = e.fences.Epoch()
 	if e.rdma != nil {
 		// The NIC preference matrix changes with the locations registered.
 		d.Transports = append([]control.TransportAddr(nil), d.Transports...)
@@ -252,6 +268,7 @@ func (e *Engine) Descriptor() *control.Descriptor {
 }
 
 func (e *Engine) handleGetDescriptor(from string, _ []byte) (control.MsgType, []byte) {
+	e.notePlanner(from) // before the descriptor reads the fence epoch
 	return control.MsgDescriptor, e.Descriptor().Encode()
 }
 
@@ -392,6 +409,15 @@ type Stats struct {
 	RDMAKeyReleases     uint64 // releases taken from initiators that dropped rkeys unused for a second or more
 	RDMAResponderQPs    int    // QPs made for initiators connected to us (at most 16384)
 	RDMAConnectsRefused uint64 // initiators' connect requests refused: the responder QP cap reached
+
+	// Fences by memory range.
+	FencesSafe         uint64 // Fence calls that reported Safe
+	FencesNotSafe      uint64 // Fence calls that reported not Safe
+	FenceEpoch         uint64 // the last fence's epoch (0: none yet)
+	FenceRefused       uint64 // peer and local accesses refused as planned before a fence
+	FenceAcks          uint64 // FENCE_ACKs that answered a planner's part
+	FenceAcksUnmatched uint64 // FENCE_ACKs dropped: late, duplicate, unknown
+	FencesReceived     uint64 // FENCE notices received as initiator
 	// RDMAPostedByNIC counts work requests posted per local NIC port
 	// ("name:port"): how work stripes across NICs.
 	RDMAPostedByNIC map[string]uint64
@@ -423,6 +449,9 @@ func (e *Engine) Stats() Stats {
 		RDMAStalls: rs2.Stalls, RDMAPostedByNIC: rs2.PostedByNIC,
 		RDMAKeyRequests: rs2.KeyRequests, RDMAHolders: rs2.Holders, RDMAKeyReleases: rs2.Releases,
 		RDMAResponderQPs: rs2.ResponderQPs, RDMAConnectsRefused: rs2.ConnectsRefused,
+		FencesSafe: e.stats.fencesSafe.Load(), FencesNotSafe: e.stats.fencesNotSafe.Load(), FenceEpoch: e.fences.Epoch(),
+		FenceRefused: e.stats.fenceRefused.Load(), FenceAcks: e.stats.fenceAcks.Load(),
+		FenceAcksUnmatched: e.stats.fenceAcksUnmatched.Load(), FencesReceived: e.stats.fencesReceived.Load(),
 		AbortsSafe: e.stats.abortsSafe.Load(), AbortsNotSafe: e.stats.abortsNotSafe.Load(),
 		AbortAcks: e.stats.abortAcks.Load(), AcksUnmatched: e.stats.acksUnmatched.Load(),
 		AbortResends: e.stats.abortResends.Load(), Tombstones: rs.Tombstones, Grants: rs.Grants,

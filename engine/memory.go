@@ -170,6 +170,11 @@ func (e *Engine) Admit(a transport.Access) (transport.Target, error) {
 		return transport.Target{}, err
 	}
 	var g transport.Guard = r
+	if a.RequestID == 0 && a.Op == transport.Write {
+		// For Abort's warning: this initiator writes without request ids,
+		// which only a Fence of the ranges stops.
+		e.admitted.note(a.Initiator, 0)
+	}
 	if a.RequestID != 0 {
 		if !e.opts.Testing.UnsafeAbort {
 			if g, err = e.reqs.Admit(&a, r); err != nil {
@@ -179,6 +184,18 @@ func (e *Engine) Admit(a transport.Access) (transport.Target, error) {
 		// A CANCELED from this initiator for this request is now
 		// believable (see handleCanceled).
 		e.admitted.note(a.Initiator, a.RequestID)
+	}
+	if !e.opts.Testing.UnsafeFence {
+		// Planned before a fence of a range it touches: refused. rdma
+		// asks ahead of the bytes (Direct): the check is all there is
+		// here, and the fence cuts the QPs its rkeys reach.
+		if err := e.fences.Check(a.Epoch, a.Addr, a.Length); err != nil {
+			e.stats.fenceRefused.Add(1)
+			return transport.Target{}, err
+		}
+		if !a.Direct {
+			g = e.fences.Guard(g, a.Epoch, a.Addr, a.Length)
+		}
 	}
 	t := transport.Target{Guard: g, Mem: r.Bytes(a.Addr, a.Length)}
 	if a.Direct {

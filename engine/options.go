@@ -26,6 +26,7 @@ import (
 //	RDMARetryCount     KVFERRY_RDMA_RETRY_COUNT     6 (at most 6)
 //	RDMACompletionTimeout KVFERRY_RDMA_COMPLETION_TIMEOUT_MS 10000 (at least 10)
 //	RDMAFenceGrace     KVFERRY_RDMA_FENCE_GRACE_MS  10 (0: fence at once)
+//	FenceGrace         KVFERRY_FENCE_GRACE_MS       50 (how long Fence waits for planners' FENCE_ACKs)
 //	CUDALibrary        KVFERRY_CUDA_LIBRARY         libcuda.so.1 (loaded on first use of GPU memory)
 //	SliceSize          KVFERRY_SLICE_SIZE           1 MiB
 //	PathsPerPeer       KVFERRY_PATHS_PER_PEER       4
@@ -104,6 +105,12 @@ type Options struct {
 	// when zero; negative fences every one at once, ACK or not (through
 	// the environment: 0).
 	RDMAFenceGrace time.Duration
+	// FenceGrace is how long Fence waits, once the ranges are safe, for
+	// the FENCE_ACKs of the peers that may plan transfers to us, so that
+	// their next transfers carry the new epoch. Safety never waits for
+	// them: a paused or partitioned peer costs a Fence this long, no
+	// more. 50 ms when zero.
+	FenceGrace time.Duration
 	// CUDALibrary is the CUDA driver loaded, at run time, the first time
 	// GPU memory is registered ("cuda:N", or "*" to detect).
 	CUDALibrary string
@@ -210,10 +217,18 @@ type Testing struct {
 	// every initiator acknowledged; as initiator, the ABORT_ACK is sent
 	// when the ABORT is heard, before anything is drained.
 	UnsafeAbort bool
+	// UnsafeFence turns the fence by memory range off: Fence reports
+	// Safe at once and refuses nothing, as a Mooncake-based decode that
+	// frees its pages is protected today.
+	UnsafeFence bool
 	// ApplyDelay makes the owner's tcp transport sleep this long after
 	// admitting each WRITE and before applying it, so that frames are
 	// certainly in flight when a test aborts.
 	ApplyDelay time.Duration
+	// LocalChunkDelay makes the local transport wait this long before
+	// each chunk it copies (1 MiB), so that a test can fence or abort a
+	// transfer to the engine itself in the middle of it.
+	LocalChunkDelay time.Duration
 }
 
 // Defaults of Options.
@@ -286,7 +301,7 @@ func (o *Options) applyEnv() error {
 		{"KVFERRY_TIMEOUT_MS", &o.DefaultTimeout}, {"KVFERRY_IO_TIMEOUT_MS", &o.IOTimeout},
 		{"KVFERRY_HEARTBEAT_MS", &o.HeartbeatInterval}, {"KVFERRY_ABORT_DRAIN_MS", &o.AbortDrainTimeout},
 		{"KVFERRY_TOMBSTONE_TTL_MS", &o.TombstoneTTL}, {"KVFERRY_RDMA_COMPLETION_TIMEOUT_MS", &o.RDMACompletionTimeout},
-		{"KVFERRY_RDMA_FENCE_GRACE_MS", &o.RDMAFenceGrace},
+		{"KVFERRY_RDMA_FENCE_GRACE_MS", &o.RDMAFenceGrace}, {"KVFERRY_FENCE_GRACE_MS", &o.FenceGrace},
 		{"KVFERRY_TCP_IDLE_TIMEOUT_MS", &o.TCPIdleTimeout}, {"KVFERRY_TCP_FRAME_TIMEOUT_MS", &o.TCPFrameTimeout},
 	} {
 		if err := ms(f.name, f.dst); err != nil {
@@ -369,6 +384,7 @@ func (o *Options) fill() error {
 	if o.RDMAFenceGrace == 0 {
 		o.RDMAFenceGrace = 10 * time.Millisecond
 	}
+	def(&o.FenceGrace, 50*time.Millisecond)
 	if o.RDMACompletionTimeout < 10*time.Millisecond {
 		return fmt.Errorf("rdma completion timeout %v: want at least 10ms", o.RDMACompletionTimeout)
 	}

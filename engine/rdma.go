@@ -187,6 +187,9 @@ func (t *task) recheck(*transport.Slice) error {
 	if aborted {
 		return fmt.Errorf("%w: %w: request %d", transport.ErrRefused, transport.ErrAborted, t.req.RequestID)
 	}
+	if t.fenceVoid() {
+		return fmt.Errorf("%w: %w: planned at fence epoch %d", transport.ErrRefused, transport.ErrFenced, t.epoch)
+	}
 	return nil
 }
 

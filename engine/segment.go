@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/fence"
 	"github.com/kvferry/kvferry/engine/transport"
 )
 
@@ -83,7 +84,20 @@ type Segment struct {
 
 	misses atomic.Int32
 	dead   atomic.Bool
-	stale  atomic.Bool // a transfer was refused for a stale key: refresh before the next plan
+	stale  atomic.Bool // a transfer was refused for a stale key or a fence: refresh before the next plan
+
+	// fences is what the owner told us of its fences: the epoch our
+	// transfers are stamped with, and the ranges a stamp is void for
+	// (see task.recheck). It starts afresh with each incarnation of the
+	// owner.
+	fences fence.Known
+}
+
+// protocol returns the transport chosen at the last descriptor fetch.
+func (s *Segment) protocol() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.proto
 }
 
 // Name is the segment's name, "host:port".
@@ -220,9 +234,14 @@ func (s *Segment) refresh(ctx context.Context) error {
 				s.paths[i] = nil
 			}
 		}
+		// A new incarnation counts its fences from 0 again. Before the
+		// new descriptor is stored: a transfer planned against its keys
+		// is stamped with its epochs.
+		s.fences.Reset()
 	}
 	s.addr = addr
 	s.mu.Unlock()
+	s.fences.Learn(d.FenceEpoch)
 	s.desc.Store(d)
 	return nil
 }

@@ -17,6 +17,9 @@ type Descriptor struct {
 	Epoch      uint64          // bumps on every change of the buffers
 	Transports []TransportAddr // how to reach the segment's data plane
 	Buffers    []Buffer        // sorted by Addr, non-overlapping
+	// FenceEpoch is the owner's fence epoch when it built the descriptor:
+	// an initiator stamps the transfers it plans with it (see FENCE).
+	FenceEpoch uint64
 }
 
 // TransportAddr names one transport of a segment and where it listens.
@@ -74,7 +77,7 @@ func (d *Descriptor) Transport(name string) (string, bool) {
 
 // Encode serialises the descriptor.
 func (d *Descriptor) Encode() []byte {
-	n := 2 + 2 + 8 + 1 + len(d.Name) + 1 + 4
+	n := 2 + 2 + 8 + 1 + len(d.Name) + 1 + 4 + 8
 	for _, t := range d.Transports {
 		n += 2 + len(t.Name) + len(t.Addr)
 	}
@@ -98,7 +101,7 @@ func (d *Descriptor) Encode() []byte {
 		out = binary.LittleEndian.AppendUint64(out, b.Key)
 		out = appendString(out, b.Location)
 	}
-	return out
+	return binary.LittleEndian.AppendUint64(out, d.FenceEpoch)
 }
 
 // appendString appends a length-prefixed string; longer strings are cut to
@@ -153,6 +156,10 @@ func DecodeDescriptor(b []byte) (*Descriptor, error) {
 		}
 		d.Buffers = append(d.Buffers, buf)
 	}
+	if r.Err != nil {
+		return nil, r.Err
+	}
+	d.FenceEpoch = r.U64()
 	if r.Err != nil {
 		return nil, r.Err
 	}

@@ -65,7 +65,9 @@ const (
 	MsgCanceled      MsgType = 10 // one-way, initiator -> owner: an AbortMsg body; it gave up on the request
 	MsgTransport     MsgType = 11 // -> TransportReply; a data-plane transport's own handshake (rdma: QPs, keys)
 	MsgTransportRep  MsgType = 12
-	maxMsgType               = MsgTransportRep
+	MsgFence         MsgType = 13 // one-way, owner -> initiator: a FenceMsg
+	MsgFenceAck      MsgType = 14 // one-way, initiator -> owner: a FenceAck
+	maxMsgType               = MsgFenceAck
 )
 
 func (t MsgType) String() string {
@@ -88,6 +90,10 @@ func (t MsgType) String() string {
 		return "NOTIFY"
 	case MsgNotifyAck:
 		return "NOTIFY_ACK"
+	case MsgFence:
+		return "FENCE"
+	case MsgFenceAck:
+		return "FENCE_ACK"
 	case MsgCanceled:
 		return "CANCELED"
 	case MsgTransport:
@@ -104,7 +110,9 @@ func (t MsgType) IsReply() bool {
 }
 
 // IsOneWay reports whether t expects no reply.
-func (t MsgType) IsOneWay() bool { return t == MsgAbort || t == MsgAbortAck || t == MsgCanceled }
+func (t MsgType) IsOneWay() bool {
+	return t == MsgAbort || t == MsgAbortAck || t == MsgCanceled || t == MsgFence || t == MsgFenceAck
+}
 
 // FlagZstd marks a compressed body.
 const FlagZstd = 1

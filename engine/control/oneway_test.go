@@ -222,7 +222,7 @@ func TestPlaneSendOneWay(t *testing.T) {
 		a, _ := newRecordingPlane(t)
 		b, rec := newRecordingPlane(t)
 		for _, typ := range []control.MsgType{0, control.MsgGetDescriptor, control.MsgDescriptor, control.MsgPing,
-			control.MsgPong, control.MsgError, control.MsgNotify, control.MsgNotifyAck, 13, 255} {
+			control.MsgPong, control.MsgError, control.MsgNotify, control.MsgNotifyAck, 15, 255} {
 			if err := a.Send(b.Name(), typ, abort); !errors.Is(err, control.ErrMalformed) {
 				t.Errorf("Send of %v: %v, want ErrMalformed", typ, err)
 			}

@@ -424,7 +424,7 @@ func TestPlaneSurvivesMalformedRequests(t *testing.T) {
 		{"version 0", [][]byte{envelope(envMagic, 0, uint8(control.MsgPing), 0, 0, 0, 1)}},
 		{"version 2", [][]byte{envelope(envMagic, 2, uint8(control.MsgPing), 0, 0, 0, 1)}},
 		{"type 0", [][]byte{envelope(envMagic, control.ProtocolVersion, 0, 0, 0, 0, 1)}},
-		{"type 13", [][]byte{envelope(envMagic, control.ProtocolVersion, 13, 0, 0, 0, 1)}},
+		{"type 15", [][]byte{envelope(envMagic, control.ProtocolVersion, 15, 0, 0, 0, 1)}},
 		{"type 255", [][]byte{envelope(envMagic, control.ProtocolVersion, 255, 0, 0, 0, 1)}},
 		{"flags 2", [][]byte{envelope(envMagic, control.ProtocolVersion, uint8(control.MsgPing), 2, 0, 0, 1)}},
 		{"flags 0x81", [][]byte{envelope(envMagic, control.ProtocolVersion, uint8(control.MsgPing), 0x81, 0, 0, 1)}},

@@ -57,6 +57,10 @@ var (
 	// read). It is always wrapped together with ErrConnection; posting the
 	// slice again on another path is safe and is not a retry of a failure.
 	ErrUnsent = errors.New("slice not read by the owner")
+	// ErrFenced marks a refusal because the owner fenced a range the
+	// access touches after the access was planned (its fence epoch is
+	// older); it is always wrapped together with ErrRefused.
+	ErrFenced = errors.New("range fenced by the owner")
 )
 
 // Retryable reports whether a slice that failed with err may be posted again
@@ -72,9 +76,12 @@ type Access struct {
 	RequestID  uint64
 	Generation uint32
 	GrantID    uint64
-	Key        memory.Key
-	Addr       uint64
-	Length     uint64
+	// Epoch is the owner's fence epoch the access was planned under:
+	// ranges fenced at a later epoch refuse it.
+	Epoch  uint64
+	Key    memory.Key
+	Addr   uint64
+	Length uint64
 	// Direct: the transport reaches the memory itself (rdma), so the
 	// owner stages nothing for it.
 	Direct bool
@@ -213,6 +220,9 @@ type Slice struct {
 	RequestID  uint64
 	Generation uint32
 	GrantID    uint64
+	// Epoch is the owner's fence epoch the transfer was planned under
+	// (see Access.Epoch).
+	Epoch uint64
 	// Extent is the owner range of the whole transfer the slice belongs
 	// to (its slices share Key, RequestID, Generation and GrantID): a
 	// transport that is admitted ahead of the bytes (rdma) asks the owner
@@ -353,6 +363,14 @@ type OwnerCopier interface {
 // execute.
 type Fencer interface {
 	Fence(ctx context.Context, initiator string) error
+}
+
+// FenceEpocher is an optional ability of owners that fence by memory range:
+// FenceEpoch is the epoch of their last fence. A transport that admits an
+// access ahead of its bytes (rdma) admits one planned under an older epoch
+// for the range it asked only, never for the whole registration.
+type FenceEpocher interface {
+	FenceEpoch() uint64
 }
 
 // AccessTracker is an optional ability of transports that admit an

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/kvferry/kvferry/engine/transport"
 )
@@ -25,6 +26,11 @@ const inlineLimit = 256 << 10
 type Transport struct {
 	owner transport.Owner
 	self  string
+
+	// ChunkDelay is for tests only: each chunk waits this long before its
+	// copy (outside any guard), so that a test can fence or abort a local
+	// transfer certainly in the middle of it.
+	ChunkDelay time.Duration
 
 	mu     sync.Mutex
 	closed bool
@@ -116,7 +122,7 @@ func (ep *endpoint) run(slices []*transport.Slice) {
 func (ep *endpoint) copy(s *transport.Slice) error {
 	a := transport.Access{
 		Op: s.Op, Initiator: ep.t.self, RequestID: s.RequestID, Generation: s.Generation,
-		GrantID: s.GrantID, Key: s.Key, Addr: s.Remote, Length: uint64(len(s.Local)),
+		GrantID: s.GrantID, Epoch: s.Epoch, Key: s.Key, Addr: s.Remote, Length: uint64(len(s.Local)),
 	}
 	tgt, err := ep.t.owner.Admit(a)
 	if err != nil {
@@ -138,6 +144,9 @@ func (ep *endpoint) copy(s *transport.Slice) error {
 			return fmt.Errorf("local: %w: %w", transport.ErrConnection, ep.reason)
 		}
 		end := min(off+ChunkSize, len(remote))
+		if d := ep.t.ChunkDelay; d > 0 {
+			time.Sleep(d)
+		}
 		if err := g.Enter(); err != nil {
 			return fmt.Errorf("%w: %w (%d of %d bytes moved)", transport.ErrRefused, err, off, len(remote))
 		}

@@ -545,6 +545,7 @@ type keyUse struct {
 	rid   uint64
 	gen   uint32
 	grant uint64
+	fence uint64 // the owner's fence epoch the access was planned under
 }
 
 // maxKeyUses bounds the rkeys cached per endpoint.
@@ -653,7 +654,7 @@ var errNewEpoch = errors.New("rdma: key epoch changed while asking the owner")
 // epoch (it admits the access as it would on tcp, for the whole transfer's
 // range), and the epoch the answer holds for.
 func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, uint64, error) {
-	u := keyUse{key: s.Key, rid: s.RequestID, gen: s.Generation, grant: s.GrantID}
+	u := keyUse{key: s.Key, rid: s.RequestID, gen: s.Generation, grant: s.GrantID, fence: s.Epoch}
 	n := uint64(len(s.Local))
 	e.mu.Lock()
 	h, epoch := e.keys[u], e.keyEpoch
@@ -667,7 +668,7 @@ func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, uint64, error) {
 	if !ext.Contains(s.Remote, n) {
 		ext = transport.Span{Addr: s.Remote, Len: n}
 	}
-	req := &keysReq{Conn: e.conn, Key: uint64(s.Key), Op: uint8(s.Op), RequestID: s.RequestID, Generation: s.Generation, GrantID: s.GrantID, Addr: ext.Addr, Len: ext.Len}
+	req := &keysReq{Conn: e.conn, Key: uint64(s.Key), Op: uint8(s.Op), RequestID: s.RequestID, Generation: s.Generation, GrantID: s.GrantID, Addr: ext.Addr, Len: ext.Len, FenceEpoch: s.Epoch}
 	// A Cancel of the slice ends the request (the owner may not answer).
 	ctx, stop := context.WithCancel(e.ctx)
 	defer stop()

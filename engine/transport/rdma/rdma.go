@@ -810,7 +810,7 @@ func (t *Transport) serveKeys(from string, req *keysReq) ([]byte, error) {
 		// is dropped.
 		tgt, err := t.owner.Admit(transport.Access{
 			Op: transport.Op(req.Op), Initiator: from, RequestID: req.RequestID, Generation: req.Generation,
-			GrantID: req.GrantID, Key: memory.Key(req.Key), Addr: req.Addr, Length: req.Len, Direct: true,
+			GrantID: req.GrantID, Epoch: req.FenceEpoch, Key: memory.Key(req.Key), Addr: req.Addr, Length: req.Len, Direct: true,
 		})
 		if err == nil && tgt.Stage != nil {
 			tgt.Stage.Release()
@@ -818,6 +818,10 @@ func (t *Transport) serveKeys(from string, req *keysReq) ([]byte, error) {
 		if err != nil {
 			if errors.Is(err, transport.ErrAborted) {
 				return encodeKeysRefusal(keysAborted, err.Error()), nil
+			}
+			if errors.Is(err, transport.ErrFenced) {
+				// The status says fenced; the reason need not again.
+				return encodeKeysRefusal(keysFenced, strings.TrimPrefix(err.Error(), transport.ErrFenced.Error()+": ")), nil
 			}
 			return encodeKeysRefusal(keysRefused, err.Error()), nil
 		}
@@ -829,7 +833,13 @@ func (t *Transport) serveKeys(from string, req *keysReq) ([]byte, error) {
 	// Request id 0 is admitted for the whole registration (only a fence
 	// by range or unregistration stops it); a request for what it asked.
 	m.Admitted = transport.Span{Addr: rm.region.Addr, Len: rm.region.Len}
-	if req.RequestID != 0 {
+	stale := false
+	if fe, ok := t.owner.(transport.FenceEpocher); ok {
+		// Planned before the last fence: admitted for what it asked only,
+		// which the owner checked against the fenced ranges above.
+		stale = req.FenceEpoch < fe.FenceEpoch()
+	}
+	if req.RequestID != 0 || stale {
 		if !rm.region.Contains(req.Addr, req.Len) {
 			return encodeKeysRefusal(keysRefused, fmt.Sprintf("[%#x, +%d) is outside key %#x", req.Addr, req.Len, req.Key)), nil
 		}
@@ -916,6 +926,19 @@ func (t *Transport) cut(ctx context.Context, initiator string) error {
 		return fmt.Errorf("rdma: fence %s: %w", initiator, errors.Join(errs...))
 	}
 	return ctx.Err()
+}
+
+// Initiators returns the initiators with responder QPs connected to us:
+// those a fence by memory range must cut, since the rkeys they hold for
+// request id 0 reach whole registrations.
+func (t *Transport) Initiators() []string {
+	t.connMu.Lock()
+	defer t.connMu.Unlock()
+	names := make([]string, 0, len(t.conns))
+	for n := range t.conns {
+		names = append(names, n)
+	}
+	return names
 }
 
 // FenceEnabled reports whether Fence works (the engine takes the transport

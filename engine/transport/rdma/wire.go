@@ -99,6 +99,9 @@ type keysReq struct {
 	GrantID    uint64
 	Addr       uint64
 	Len        uint64
+	// FenceEpoch is the owner's fence epoch the access was planned under
+	// (see transport.Access.Epoch).
+	FenceEpoch uint64
 }
 
 // piece is one memory region of a registration on every owner NIC (a
@@ -292,7 +295,8 @@ func (m *keysReq) encode() []byte {
 	b = binary.LittleEndian.AppendUint32(b, m.Generation)
 	b = binary.LittleEndian.AppendUint64(b, m.GrantID)
 	b = binary.LittleEndian.AppendUint64(b, m.Addr)
-	return binary.LittleEndian.AppendUint64(b, m.Len)
+	b = binary.LittleEndian.AppendUint64(b, m.Len)
+	return binary.LittleEndian.AppendUint64(b, m.FenceEpoch)
 }
 
 func decodeKeys(body []byte) (*keysReq, error) {
@@ -300,7 +304,7 @@ func decodeKeys(body []byte) (*keysReq, error) {
 	if r.U8() != kindKeys || r.U8() != wireVersion {
 		return nil, fmt.Errorf("%w: not a keys request of version %d", errWire, wireVersion)
 	}
-	m := &keysReq{Op: r.U8(), Conn: r.U64(), Seq: r.U64(), Key: r.U64(), RequestID: r.U64(), Generation: r.U32(), GrantID: r.U64(), Addr: r.U64(), Len: r.U64()}
+	m := &keysReq{Op: r.U8(), Conn: r.U64(), Seq: r.U64(), Key: r.U64(), RequestID: r.U64(), Generation: r.U32(), GrantID: r.U64(), Addr: r.U64(), Len: r.U64(), FenceEpoch: r.U64()}
 	if err := r.End(); err != nil {
 		return nil, err
 	}
@@ -354,6 +358,7 @@ const (
 	keysOK      = 0
 	keysRefused = 1
 	keysAborted = 2
+	keysFenced  = 3 // planned before a fence of a range it touches
 )
 
 // encodeKeysRefusal is the owner's refusal of a keys request, with its
@@ -397,13 +402,16 @@ func decodeKeysReply(body []byte, wantNICs int) (*keysReply, error) {
 	}
 	switch st := r.U8(); st {
 	case keysOK:
-	case keysRefused, keysAborted:
+	case keysRefused, keysAborted, keysFenced:
 		reason := r.Str(255)
 		if err := r.End(); err != nil {
 			return nil, err
 		}
 		if st == keysAborted {
 			return nil, fmt.Errorf("%w: %w: %s", transport.ErrRefused, transport.ErrAborted, reason)
+		}
+		if st == keysFenced {
+			return nil, fmt.Errorf("%w: %w: %s", transport.ErrRefused, transport.ErrFenced, reason)
 		}
 		return nil, fmt.Errorf("%w: %s", transport.ErrRefused, reason)
 	default:

@@ -148,7 +148,7 @@ func (ep *endpoint) send() {
 				ep.seq++
 				h := header{
 					typ: frameRead, seq: ep.seq, requestID: s.RequestID, generation: s.Generation,
-					length: uint32(len(s.Local)), key: s.Key, addr: s.Remote, grantID: s.GrantID,
+					length: uint32(len(s.Local)), key: s.Key, addr: s.Remote, grantID: s.GrantID, done: s.Epoch,
 				}
 				hb := hdrs[len(group)][:]
 				ep.pending.Store(ep.seq, s)

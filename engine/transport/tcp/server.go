@@ -164,7 +164,7 @@ func (t *Transport) serve(conn *net.TCPConn, peer netip.Addr) {
 		}
 		a = transport.Access{
 			Initiator: initiator, RequestID: h.requestID, Generation: h.generation,
-			GrantID: h.grantID, Key: h.key, Addr: h.addr, Length: uint64(h.length),
+			GrantID: h.grantID, Epoch: h.done, Key: h.key, Addr: h.addr, Length: uint64(h.length),
 		}
 		switch h.typ {
 		case frameWrite:
@@ -393,7 +393,7 @@ func (c *ownerConn) serveReads(first *header, initiator string) error {
 	for i := range hs {
 		h := &hs[i]
 		a := transport.Access{Op: transport.Read, Initiator: initiator, RequestID: h.requestID, Generation: h.generation,
-			GrantID: h.grantID, Key: h.key, Addr: h.addr, Length: uint64(h.length)}
+			GrantID: h.grantID, Epoch: h.done, Key: h.key, Addr: h.addr, Length: uint64(h.length)}
 		done := header{typ: frameReadDone, seq: h.seq, requestID: h.requestID, generation: h.generation}
 		tgt, err := t.owner.Admit(a)
 		if err == nil {

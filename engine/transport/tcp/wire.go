@@ -24,7 +24,9 @@ import (
 //	40 u64 address    owner address
 //	48 u64 grant id
 //	56 u64 done       bytes applied (WRITE_ACK) or valid (READ_DONE); in
-//	                  HELLO, the initiator's feature bits (helloGoAway)
+//	                  HELLO, the initiator's feature bits (helloGoAway); in
+//	                  WRITE and READ, the owner's fence epoch the slice was
+//	                  planned under (0 from initiators that know none)
 const (
 	HeaderSize   = 64
 	magic        = 0x464b // "KF"
@@ -66,7 +68,8 @@ const (
 	statusRefused      = 4
 	statusBadRequest   = 5
 	statusAborted      = 6 // the request id (at this generation) was aborted
-	maxKnownStatus     = statusAborted
+	statusFenced       = 7 // a range the slice touches was fenced after it was planned
+	maxKnownStatus     = statusFenced
 )
 
 // header is a decoded frame header.
@@ -153,6 +156,8 @@ func statusOf(err error) uint32 {
 		return statusOK
 	case errors.Is(err, transport.ErrAborted):
 		return statusAborted
+	case errors.Is(err, transport.ErrFenced):
+		return statusFenced
 	case errors.Is(err, memory.ErrStaleKey):
 		return statusStaleKey
 	case errors.Is(err, memory.ErrOutOfBounds):
@@ -181,6 +186,8 @@ func errOf(st uint32) error {
 		return fmt.Errorf("%w: %w", transport.ErrRefused, memory.ErrInvalidRange)
 	case statusAborted:
 		return fmt.Errorf("%w: %w", transport.ErrRefused, transport.ErrAborted)
+	case statusFenced:
+		return fmt.Errorf("%w: %w", transport.ErrRefused, transport.ErrFenced)
 	}
 	return transport.ErrRefused
 }

@@ -1,0 +1,391 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/fence"
+	"github.com/kvferry/kvferry/engine/transport"
+)
+
+// FenceRange is a range of this engine's registered memory to fence.
+type FenceRange = fence.Range
+
+// MaxFenceRanges caps the ranges of one Fence.
+const MaxFenceRanges = control.MaxFenceRanges
+
+// ErrFenced: a transfer touched a range its owner fenced after the transfer
+// was planned; it ends FAILED and is never retried (SAFETY.md promise 6).
+var ErrFenced = transport.ErrFenced
+
+// FenceResult is the outcome of Engine.Fence.
+type FenceResult struct {
+	// Safe: no transfer planned before the call, whatever its request id
+	// (0 included) and initiator, can write into or read from any byte of
+	// the ranges any more. The memory may be handed to the next request
+	// at once.
+	Safe bool
+	// Reason says why the fence is not Safe; nil when it is.
+	Reason error
+	// Epoch is the fence's epoch: transfers planned from now on carry it
+	// (or a later one) and pass.
+	Epoch uint64
+	// Told lists the peers the fence notice went to (those that fetched
+	// this engine's descriptor lately, and rdma initiators), Acked those
+	// that acknowledged it within FenceGrace: their next transfers are
+	// planned under the new epoch. A peer that did not acknowledge in
+	// time (paused, partitioned, gone) is fenced all the same; it learns
+	// the epoch from the notice, resent until the deadline, or from the
+	// refusal of its first stale transfer.
+	Told, Acked []string
+	// Cut lists the rdma initiators whose responder QPs were moved to the
+	// error state (their work in flight is posted again on new QPs).
+	Cut []string
+}
+
+// maxPlanners bounds the peers remembered as planners (they fetched our
+// descriptor): past it the oldest is forgotten, which costs it only the
+// fence notice (its first stale transfer is refused, and it refreshes).
+const maxPlanners = 4096
+
+// pendingFence is an owner's fence waiting for FENCE_ACKs.
+type pendingFence struct {
+	epoch uint64
+	mu    sync.Mutex
+	wait  map[string]bool
+	acked []string
+	done  chan struct{} // closed when wait is empty
+}
+
+// Fence fences ranges of this engine's registered memory, as their owner:
+// from now on every access to them planned before the call is refused,
+// whatever its request id (0 included) and initiator, and Fence returns
+// once no copy of such an access is in progress (tcp, local) and no NIC can
+// execute one (rdma: the responder QPs of every initiator go to the error
+// state; their other work is posted again on new QPs, whose rkeys the owner
+// admits again under the new epoch). Transfers planned after the call pass.
+// The peers that may plan transfers to us are told (FENCE) and Fence waits
+// up to Options.FenceGrace for their acknowledgement, so that in the normal
+// flow (the application tells a writer about the pages only after Fence
+// returned) the next request's transfers into the ranges never fail.
+//
+// Each range must lie in registered memory (one or several adjacent
+// registrations). The result is Safe only when no transfer planned before
+// can touch the ranges any more; otherwise it says why, by ctx's deadline
+// (DefaultTimeout when ctx has none). The error is non-nil only for invalid
+// arguments or a closed engine.
+func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, error) {
+	if err := e.checkOpen(); err != nil {
+		return FenceResult{}, err
+	}
+	if len(ranges) == 0 || len(ranges) > MaxFenceRanges {
+		return FenceResult{}, fmt.Errorf("fence: %w: %d ranges (1 to %d)", ErrInvalidArg, len(ranges), MaxFenceRanges)
+	}
+	rs := make([]fence.Range, len(ranges))
+	for i, r := range ranges {
+		if r.Len == 0 || r.Addr+r.Len < r.Addr {
+			return FenceResult{}, fmt.Errorf("fence: %w: range %d [%#x, +%d) is empty or wraps", ErrInvalidArg, i, r.Addr, r.Len)
+		}
+		if err := e.registeredSpan(r.Addr, r.Len); err != nil {
+			return FenceResult{}, fmt.Errorf("fence: range %d [%#x, +%d): %w", i, r.Addr, r.Len, err)
+		}
+		rs[i] = r
+	}
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		deadline = time.Now().Add(e.opts.DefaultTimeout)
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, deadline)
+		defer cancel()
+	}
+	if e.opts.Testing.UnsafeFence {
+		// Protection off, for the tests that show what it prevents.
+		e.stats.fencesSafe.Add(1)
+		return FenceResult{Safe: true}, nil
+	}
+	ep, inProgress, err := e.fences.Fence(rs)
+	if err != nil {
+		return FenceResult{}, fmt.Errorf("fence: %w: %w", ErrInvalidArg, err)
+	}
+	res := FenceResult{Epoch: ep}
+	var reason error
+
+	// rdma first: the NIC moves those bytes without our code, and rkeys
+	// handed out before the new epoch reach the whole registration. After
+	// the cut, an initiator's work reaches us only on QPs connected later,
+	// with rkeys admitted under the epoch just published.
+	if e.rdma != nil {
+		if !e.rdma.FenceEnabled() {
+			reason = fmt.Errorf("rdma initiators may hold rkeys and the rdma fence is off (KVFERRY_RDMA_FENCE=0): %w", ErrUnsupported)
+		} else {
+			for _, name := range e.rdma.Initiators() {
+				if err := e.rdma.Fence(ctx, name); err != nil && reason == nil {
+					reason = fmt.Errorf("rdma fence of %s: %w", name, err)
+				}
+				res.Cut = append(res.Cut, name)
+			}
+		}
+	}
+
+	// Tell the planners, so that their next transfers carry the epoch.
+	floor, _ := e.fences.Since(ep)
+	names := e.plannerNames(res.Cut)
+	res.Told = names
+	pf := &pendingFence{epoch: ep, wait: make(map[string]bool, len(names)), done: make(chan struct{})}
+	for _, n := range names {
+		pf.wait[n] = true
+	}
+	if len(names) == 0 {
+		close(pf.done)
+	} else {
+		msg := control.FenceMsg{Epoch: ep, Floor: floor, Ranges: e.fencedRanges(ep)}.Encode()
+		e.pendMu.Lock()
+		e.pendFences[ep] = pf
+		e.pendMu.Unlock()
+		for _, n := range names {
+			_ = e.plane.SendIfConnected(n, control.MsgFence, msg)
+		}
+		if e.startBackground() {
+			go e.resendFence(pf, msg, deadline)
+		} else {
+			e.forgetFence(pf)
+		}
+	}
+
+	if inProgress != nil && reason == nil {
+		select {
+		case <-inProgress:
+		case <-ctx.Done():
+			reason = fmt.Errorf("copies into or out of the ranges still in progress at the deadline: %w", ErrTimeout)
+		}
+	}
+	if reason == nil && len(names) > 0 {
+		t := time.NewTimer(e.opts.FenceGrace)
+		select {
+		case <-pf.done:
+		case <-t.C:
+		case <-ctx.Done():
+		}
+		t.Stop()
+	}
+	pf.mu.Lock()
+	res.Acked = append([]string(nil), pf.acked...)
+	pf.mu.Unlock()
+	if reason != nil {
+		res.Reason = fmt.Errorf("fence of %d ranges: not safe: %w", len(ranges), reason)
+		e.stats.fencesNotSafe.Add(1)
+		e.log.Warn("kvferry: fence not safe", "epoch", ep, "err", res.Reason)
+		return res, nil
+	}
+	res.Safe = true
+	e.stats.fencesSafe.Add(1)
+	return res, nil
+}
+
+// registeredSpan checks that [addr, addr+n) lies in registered memory,
+// across adjacent registrations.
+func (e *Engine) registeredSpan(addr, n uint64) error {
+	for n > 0 {
+		r, err := e.reg.Find(addr, 1)
+		if err != nil {
+			return err
+		}
+		step := min(n, r.End()-addr)
+		addr, n = addr+step, n-step
+	}
+	return nil
+}
+
+// fencedRanges returns the ranges of the fence of epoch ep, as a notice
+// carries them.
+func (e *Engine) fencedRanges(ep uint64) []control.FenceRange {
+	_, fences := e.fences.Since(ep - 1)
+	var out []control.FenceRange
+	for _, f := range fences {
+		if f.Epoch == ep {
+			out = make([]control.FenceRange, len(f.Ranges))
+			for i, r := range f.Ranges {
+				out[i] = control.FenceRange{Addr: r.Addr, Len: r.Len}
+			}
+		}
+	}
+	return out
+}
+
+// notePlanner records that peer fetched our descriptor: it may plan
+// transfers to us, so fences tell it. Called before the descriptor's fence
+// epoch is read, so a fence either is in the descriptor or tells peer.
+func (e *Engine) notePlanner(peer string) {
+	now := time.Now()
+	e.planMu.Lock()
+	defer e.planMu.Unlock()
+	if _, ok := e.planners[peer]; !ok && len(e.planners) >= maxPlanners {
+		oldest, at := "", now
+		for n, t := range e.planners {
+			if t.Before(at) {
+				oldest, at = n, t
+			}
+		}
+		delete(e.planners, oldest)
+	}
+	e.planners[peer] = now
+}
+
+// plannerNames returns the planners, and extra names not among them.
+func (e *Engine) plannerNames(extra []string) []string {
+	e.planMu.Lock()
+	names := make([]string, 0, len(e.planners)+len(extra))
+	for n := range e.planners {
+		names = append(names, n)
+	}
+	for _, n := range extra {
+		if _, ok := e.planners[n]; !ok {
+			names = append(names, n)
+		}
+	}
+	e.planMu.Unlock()
+	return names
+}
+
+// resendFence resends FENCE to the planners that have not acknowledged,
+// with the abort's backoff, until all have, the deadline passes or the
+// engine closes. It never opens a connection: a planner is a name a peer
+// claimed.
+func (e *Engine) resendFence(pf *pendingFence, msg []byte, deadline time.Time) {
+	defer e.bg.Done()
+	defer e.forgetFence(pf)
+	interval := abortResendFirst
+	timer := time.NewTimer(interval)
+	defer timer.Stop()
+	for {
+		select {
+		case <-pf.done:
+			return
+		case <-e.closed:
+			return
+		case <-timer.C:
+		}
+		if !time.Now().Before(deadline) {
+			return
+		}
+		pf.mu.Lock()
+		names := make([]string, 0, len(pf.wait))
+		for n := range pf.wait {
+			names = append(names, n)
+		}
+		pf.mu.Unlock()
+		for _, n := range names {
+			_ = e.plane.SendIfConnected(n, control.MsgFence, msg)
+		}
+		interval = min(2*interval, abortResendMax)
+		timer.Reset(min(interval, time.Until(deadline)+time.Millisecond))
+	}
+}
+
+func (e *Engine) forgetFence(pf *pendingFence) {
+	e.pendMu.Lock()
+	delete(e.pendFences, pf.epoch)
+	e.pendMu.Unlock()
+}
+
+// handleFenceAck takes a planner's FENCE_ACK (on the plane's loop). Safety
+// never rests on it: it only tells Fence that the planner's next transfers
+// carry the new epoch.
+func (e *Engine) handleFenceAck(from string, body []byte) (control.MsgType, []byte) {
+	m, err := control.DecodeFenceAck(body)
+	if err != nil {
+		e.controlMalformed("FENCE_ACK", from, err)
+		return 0, nil
+	}
+	e.pendMu.Lock()
+	pf := e.pendFences[m.Epoch]
+	e.pendMu.Unlock()
+	if pf == nil {
+		e.stats.fenceAcksUnmatched.Add(1)
+		return 0, nil
+	}
+	pf.mu.Lock()
+	if !pf.wait[from] {
+		pf.mu.Unlock()
+		e.stats.fenceAcksUnmatched.Add(1)
+		return 0, nil
+	}
+	delete(pf.wait, from)
+	pf.acked = append(pf.acked, from)
+	if len(pf.wait) == 0 {
+		close(pf.done)
+	}
+	pf.mu.Unlock()
+	e.stats.fenceAcks.Add(1)
+	return 0, nil
+}
+
+// ---- initiator side --------------------------------------------------------
+
+// handleFence takes an owner's FENCE (on the plane's loop, so it must not
+// block): every segment open to that owner learns the fence, so transfers
+// planned from now on carry its epoch and a transfer planned before that
+// touches the ranges is never posted again (see task.recheck); then it
+// acknowledges. The owner's own checks refuse those transfers whatever we
+// do, so nothing here is needed for safety; it makes the next request's
+// transfers pass, and cuts our rdma paths to the owner at once (the owner
+// moved their QPs to the error state) instead of waiting for the NIC's
+// retry timeout to find out.
+func (e *Engine) handleFence(from string, body []byte) (control.MsgType, []byte) {
+	m, err := control.DecodeFenceMsg(body)
+	if err != nil {
+		e.controlMalformed("FENCE", from, err)
+		return 0, nil
+	}
+	e.stats.fencesReceived.Add(1)
+	owner := e.abortOwner(from)
+	segs := e.segmentsKnownAs(owner)
+	rs := make([]fence.Range, len(m.Ranges))
+	for i, r := range m.Ranges {
+		rs[i] = fence.Range{Addr: r.Addr, Len: r.Len}
+	}
+	notice := []fence.Fenced{{Epoch: m.Epoch, Ranges: rs}}
+	var rdmaSegs []*Segment
+	// Exclusive: a Submit stamps its tasks under abortMu shared, so each
+	// is stamped either before the fence (and void where it touches the
+	// ranges) or with its epoch.
+	e.abortMu.Lock()
+	for _, seg := range segs {
+		if seg.fences.Apply(m.Floor, notice) && seg.protocol() == "rdma" {
+			rdmaSegs = append(rdmaSegs, seg)
+		}
+	}
+	e.abortMu.Unlock()
+	if len(rdmaSegs) > 0 && e.startBackground() {
+		go func() {
+			defer e.bg.Done()
+			for _, seg := range rdmaSegs {
+				seg.cutPaths(fmt.Errorf("%w: the owner fenced memory and cut our QPs", transport.ErrConnection))
+			}
+		}()
+	}
+	_ = e.plane.SendIfConnected(from, control.MsgFenceAck, control.FenceAck{Epoch: m.Epoch}.Encode())
+	return 0, nil
+}
+
+// FenceEpoch implements transport.FenceEpocher: the epoch of the last fence.
+func (e *Engine) FenceEpoch() uint64 { return e.fences.Epoch() }
+
+// fenceVoid reports whether the task was planned before a fence, known to
+// us, of a range it touches.
+func (t *task) fenceVoid() bool {
+	seg := t.req.Segment
+	if seg.self {
+		return seg.e.fences.Check(t.epoch, t.req.Remote, t.req.Length) != nil
+	}
+	return seg.fences.Void(t.epoch, t.req.Remote, t.req.Length)
+}
+
+// isFenceRefusal reports whether err is an owner's fence refusal.
+func isFenceRefusal(err error) bool {
+	return errors.Is(err, ErrRefused) && errors.Is(err, ErrFenced)
+}
