@@ -107,6 +107,15 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 		ctx, cancel = context.WithDeadline(ctx, deadline)
 		defer cancel()
 	}
+	for _, name := range names {
+		if e.admitted.seen(name, 0) && e.firstNoRIDWarning(name) {
+			// An abort stops only what carries its request id: this
+			// initiator's transfers without one go on landing.
+			e.log.Warn("kvferry: abort names an initiator that writes into this engine's memory without request ids; "+
+				"abort does not stop those transfers: fence their pages (Fence, kvf_fence_memory, fence_memory) before reusing them",
+				"initiator", name, "request", requestID)
+		}
+	}
 	unsafe := e.opts.Testing.UnsafeAbort
 
 	var gen uint32
@@ -238,6 +247,25 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 	res.Safe = true
 	e.stats.abortsSafe.Add(1)
 	return res, nil
+}
+
+// maxNoRIDWarned bounds the initiators remembered as warned about; past it
+// the set starts afresh (a warning may then repeat, never go missing).
+const maxNoRIDWarned = 4096
+
+// firstNoRIDWarning reports whether Abort has not yet warned that name
+// writes without request ids, and remembers that it now has.
+func (e *Engine) firstNoRIDWarning(name string) bool {
+	e.noRIDMu.Lock()
+	defer e.noRIDMu.Unlock()
+	if e.noRIDWarned[name] {
+		return false
+	}
+	if len(e.noRIDWarned) >= maxNoRIDWarned || e.noRIDWarned == nil {
+		e.noRIDWarned = map[string]bool{}
+	}
+	e.noRIDWarned[name] = true
+	return true
 }
 
 // holders lists the initiators that hold access to requestID ahead of its

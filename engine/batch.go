@@ -148,9 +148,12 @@ type sliceT struct {
 	t        *task
 	attempts int
 	reposts  int // posts again of the slice after its path ended before the owner read it
-	hint     uint32
-	path     atomic.Pointer[pathRef]
-	stage    *initStage // host staging of GPU memory on a path without DirectGPU
+	// fenceReposts counts posts again after our rdma paths were cut for an
+	// owner's fence (errFenceCut).
+	fenceReposts int
+	hint         uint32
+	path         atomic.Pointer[pathRef]
+	stage        *initStage // host staging of GPU memory on a path without DirectGPU
 }
 
 // AllocateBatch returns a batch for up to capacity requests.
@@ -468,10 +471,14 @@ func sliceDone(ts *transport.Slice, err error) {
 		// owner must not fail a transfer. maxReposts bounds an owner that
 		// keeps doing it.
 		unsent := errors.Is(err, transport.ErrUnsent) && s.reposts < maxReposts
-		if (unsent || s.attempts < e.opts.MaxRetries) && e.startRetry() {
-			if unsent {
+		fenceCut := !unsent && errors.Is(err, errFenceCut) && s.fenceReposts < maxFenceReposts
+		if (unsent || fenceCut || s.attempts < e.opts.MaxRetries) && e.startRetry() {
+			switch {
+			case unsent:
 				s.reposts++
-			} else {
+			case fenceCut:
+				s.fenceReposts++
+			default:
 				s.attempts++
 				e.stats.retries.Add(1)
 			}

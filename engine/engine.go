@@ -90,8 +90,11 @@ type Engine struct {
 	pending map[abortKey]*pendingAbort
 
 	// Owner side of CANCELED: which initiators were admitted for which
-	// request ids lately.
-	admitted accessCache
+	// request ids lately (request id 0: they write without ids, which
+	// Abort warns about once per initiator).
+	admitted    accessCache
+	noRIDMu     sync.Mutex
+	noRIDWarned map[string]bool
 
 	// Initiator side: tombstones of requests owners aborted. abortMu is
 	// held shared by Submit from its tombstone check until its tasks are

@@ -364,7 +364,7 @@ func (e *Engine) handleFence(from string, body []byte) (control.MsgType, []byte)
 		go func() {
 			defer e.bg.Done()
 			for _, seg := range rdmaSegs {
-				seg.cutPaths(fmt.Errorf("%w: the owner fenced memory and cut our QPs", transport.ErrConnection))
+				seg.cutPaths(fmt.Errorf("%w: %w", transport.ErrConnection, errFenceCut))
 			}
 		}()
 	}
@@ -374,6 +374,16 @@ func (e *Engine) handleFence(from string, body []byte) (control.MsgType, []byte)
 
 // FenceEpoch implements transport.FenceEpocher: the epoch of the last fence.
 func (e *Engine) FenceEpoch() uint64 { return e.fences.Epoch() }
+
+// errFenceCut marks the slices of rdma paths we cut because their owner
+// fenced memory and cut its side: they are posted again on new paths
+// without spending a retry (see sliceDone), since no path failed; at most
+// maxFenceReposts times, so an owner fencing without end cannot keep a
+// transfer going for ever.
+var errFenceCut = errors.New("the owner fenced memory and cut our QPs")
+
+// maxFenceReposts bounds the posts again of one slice after fence cuts.
+const maxFenceReposts = 64
 
 // fenceVoid reports whether the task was planned before a fence, known to
 // us, of a range it touches.

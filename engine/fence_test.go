@@ -11,6 +11,7 @@ package engine_test
 import (
 	"bytes"
 	"errors"
+	"log/slog"
 	"testing"
 	"time"
 
@@ -201,5 +202,40 @@ func TestFenceArgumentsAreChecked(t *testing.T) {
 	}
 	if res, err := e.Fence(ctx, []engine.FenceRange{{Addr: a, Len: 4096}, {Addr: a + 8192, Len: 4096}}); err != nil || !res.Safe || res.Epoch != 1 {
 		t.Fatalf("fence of registered pages = %+v, %v; want Safe at epoch 1", res, err)
+	}
+}
+
+// An Abort that names an initiator writing into our memory without request
+// ids says, once, that it does not stop those transfers and that a fence
+// does; an initiator that always passes ids causes no such line.
+func TestAbortOfAnInitiatorWritingWithoutIDsPointsToFence(t *testing.T) {
+	lc := &lineCounter{lines: map[string]int{}}
+	owner := newEngineWith(t, engine.Options{Logger: slog.New(lc)})
+	withIDs, without := newEngine(t), newEngine(t)
+	dst := alloc(t, owner, 1<<20)
+	for _, w := range []*engine.Engine{withIDs, without} {
+		src := alloc(t, w, 1<<20)
+		req := write(src, openSegment(t, w, owner.Name()), engine.AddrOf(dst), 1<<20)
+		if w == withIDs {
+			req = withRID(req, 9, 0)
+		}
+		transfer(t, w, 30*time.Second, req)
+	}
+	const line = "abort names an initiator that writes into this engine's memory without request ids"
+	for i := 0; i < 3; i++ {
+		if res, err := owner.Abort(testCtx(t, 10*time.Second), 9+uint64(i), []string{withIDs.Name()}); err != nil || !res.Safe {
+			t.Fatalf("abort = %+v, %v", res, err)
+		}
+	}
+	if n := lc.count(line); n != 0 {
+		t.Fatalf("%d warnings for an initiator that passes request ids", n)
+	}
+	for i := 0; i < 3; i++ {
+		if res, err := owner.Abort(testCtx(t, 10*time.Second), 20+uint64(i), []string{without.Name()}); err != nil || !res.Safe {
+			t.Fatalf("abort = %+v, %v", res, err)
+		}
+	}
+	if n := lc.count(line); n != 1 {
+		t.Fatalf("%d warnings for an initiator that writes without request ids; want exactly 1", n)
 	}
 }

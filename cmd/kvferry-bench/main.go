@@ -3,6 +3,7 @@
 //
 //	kvferry-bench --mode loopback --op write --block-size 65536 --threads 4 --duration 10
 //	kvferry-bench --mode abort --rate 1000 --duration 10
+//	kvferry-bench --mode fence --rate 1000 --duration 10
 //
 // Modes: target (serve a buffer and wait), initiator (move data to or from a
 // target named by --segment), loopback (both in one process, TCP on
@@ -46,7 +47,7 @@ type config struct {
 
 func main() {
 	var c config
-	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp | abort")
+	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp | abort | fence")
 	flag.StringVar(&c.op, "op", "write", "write | read")
 	flag.StringVar(&c.segment, "segment", "", "the target's segment name host:port (initiator mode; abort mode: be the child of --two-process)")
 	flag.StringVar(&c.host, "host", "127.0.0.1", "address to listen on")
@@ -63,7 +64,7 @@ func main() {
 	flag.BoolVar(&c.twoProcess, "two-process", false, "abort mode: run the initiator (prefill) as a child process")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile to this file")
 	flag.Parse()
-	if c.mode == "abort" {
+	if c.mode == "abort" || c.mode == "fence" {
 		given := map[string]bool{}
 		flag.Visit(func(f *flag.Flag) { given[f.Name] = true })
 		if !given["block-size"] {
@@ -103,6 +104,8 @@ func main() {
 		err = runRawTCP(c)
 	case "abort":
 		err = runAbort(c)
+	case "fence":
+		err = runFence(c)
 	}
 	if err != nil {
 		pprof.StopCPUProfile()
@@ -116,15 +119,18 @@ func main() {
 
 func (c *config) check() error {
 	switch c.mode {
-	case "target", "initiator", "loopback", "raw-tcp", "abort":
+	case "target", "initiator", "loopback", "raw-tcp", "abort", "fence":
 	default:
-		return fmt.Errorf("--mode %q: want target, initiator, loopback, raw-tcp or abort", c.mode)
+		return fmt.Errorf("--mode %q: want target, initiator, loopback, raw-tcp, abort or fence", c.mode)
 	}
 	if c.op != "write" && c.op != "read" {
 		return fmt.Errorf("--op %q: want write or read", c.op)
 	}
-	if c.mode == "abort" && (c.op != "write" || c.rate <= 0 || c.abortEvery <= 0) {
-		return errors.New("--mode abort needs --op write, a positive --rate and a positive --abort-interval")
+	if (c.mode == "abort" || c.mode == "fence") && (c.op != "write" || c.rate <= 0 || c.abortEvery <= 0) {
+		return fmt.Errorf("--mode %s needs --op write, a positive --rate and a positive --abort-interval", c.mode)
+	}
+	if c.mode == "fence" && c.threads < 2 {
+		return errors.New("--mode fence needs --threads of at least 2: a victim and bystanders")
 	}
 	if c.mode == "initiator" && c.segment == "" {
 		return errors.New("--mode initiator needs --segment host:port")
