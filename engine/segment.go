@@ -239,6 +239,14 @@ func (s *Segment) refresh(ctx context.Context) error {
 		// is stamped with its epochs.
 		s.fences.Reset()
 	}
+	if d.FenceEpoch < s.fences.Epoch() {
+		// Epochs only grow within an incarnation, and a new one starts
+		// past the old one's: a lower epoch is a restart we missed
+		// (under the same address) or a descriptor overtaken by a
+		// FENCE. Starting afresh costs at most a refusal, which
+		// refreshes again.
+		s.fences.Reset()
+	}
 	s.addr = addr
 	s.mu.Unlock()
 	s.fences.Learn(d.FenceEpoch)

@@ -12,7 +12,8 @@
 //
 // The log is bounded: past MaxEntries fences the oldest is folded into a
 // floor, below which every stamp is void for every range. Folding only
-// refuses more (transfers planned that many fences ago), never less.
+// refuses more (transfers planned that many fences ago), never less. A stamp
+// past the last epoch issued is refused too: no initiator can know it.
 package fence
 
 import (
@@ -84,13 +85,18 @@ type Table struct {
 	folded atomic.Uint64
 }
 
-// New returns an empty table at epoch 0.
-func New() *Table {
-	return &Table{active: map[*guard]int{}}
+// New returns an empty table at epoch base. An engine starts at its start
+// time in nanoseconds, so that the epochs of a restarted owner exceed every
+// epoch of its earlier incarnation: a transfer stamped by an initiator that
+// has not noticed the restart is older than the new incarnation's fences.
+func New(base uint64) *Table {
+	t := &Table{active: map[*guard]int{}, floor: base}
+	t.epoch.Store(base)
+	return t
 }
 
-// Epoch returns the epoch of the last fence (0 before any): the stamp of a
-// transfer planned now.
+// Epoch returns the epoch of the last fence (the table's base before any):
+// the stamp of a transfer planned now.
 func (t *Table) Epoch() uint64 { return t.epoch.Load() }
 
 // Floor returns the stamp below which every access is void.
@@ -128,8 +134,13 @@ func (t *Table) voidLocked(stamp, addr, n uint64) uint64 {
 // voids. It never blocks for long (a short lock, only when a fence is newer
 // than the stamp).
 func (t *Table) Check(stamp, addr, n uint64) error {
-	if stamp >= t.epoch.Load() {
+	switch ep := t.epoch.Load(); {
+	case stamp == ep:
 		return nil
+	case stamp > ep:
+		// No initiator can know an epoch not issued yet: a bug, or a
+		// peer trying to pass every fence.
+		return fmt.Errorf("%w: stamped with fence epoch %d, past the last one issued (%d)", ErrFenced, stamp, ep)
 	}
 	t.mu.Lock()
 	ep := t.voidLocked(stamp, addr, n)
@@ -167,6 +178,10 @@ type waiter struct {
 func (g *guard) Enter() error {
 	t := g.t
 	t.mu.Lock()
+	if g.stamp > t.epoch.Load() {
+		t.mu.Unlock()
+		return t.Check(g.stamp, g.addr, g.n)
+	}
 	if ep := t.voidLocked(g.stamp, g.addr, g.n); ep != 0 {
 		t.mu.Unlock()
 		return refusal(g.stamp, ep)
