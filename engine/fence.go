@@ -35,7 +35,8 @@ type FenceResult struct {
 	// (or a later one) and pass.
 	Epoch uint64
 	// Told lists the peers the fence notice went to (those that fetched
-	// this engine's descriptor lately, and rdma initiators), Acked those
+	// this engine's descriptor lately and still hold a control connection
+	// to it, and rdma initiators), Acked those
 	// that acknowledged it within FenceGrace: their next transfers are
 	// planned under the new epoch. A peer that did not acknowledge in
 	// time (paused, partitioned, gone) is fenced all the same; it learns
@@ -119,10 +120,10 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 	// the cut, an initiator's work reaches us only on QPs connected later,
 	// with rkeys admitted under the epoch just published.
 	if e.rdma != nil {
-		if !e.rdma.FenceEnabled() {
-			reason = fmt.Errorf("rdma initiators may hold rkeys and the rdma fence is off (KVFERRY_RDMA_FENCE=0): %w", ErrUnsupported)
+		if inits := e.rdma.Initiators(); len(inits) > 0 && !e.rdma.FenceEnabled() {
+			reason = fmt.Errorf("rdma initiators %v may hold rkeys and the rdma fence is off (KVFERRY_RDMA_FENCE=0): %w", inits, ErrUnsupported)
 		} else {
-			for _, name := range e.rdma.Initiators() {
+			for _, name := range inits {
 				if err := e.rdma.Fence(ctx, name); err != nil && reason == nil {
 					reason = fmt.Errorf("rdma fence of %s: %w", name, err)
 				}
@@ -132,8 +133,16 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 	}
 
 	// Tell the planners, so that their next transfers carry the epoch.
+	// Only those holding a control connection to us now are waited for:
+	// one that fetched our descriptor and left must not cost every fence
+	// its grace.
 	floor, _ := e.fences.Since(ep)
-	names := e.plannerNames(res.Cut)
+	var names []string
+	for _, n := range e.plannerNames(res.Cut) {
+		if e.plane.HasInbound(n) {
+			names = append(names, n)
+		}
+	}
 	res.Told = names
 	pf := &pendingFence{epoch: ep, wait: make(map[string]bool, len(names)), done: make(chan struct{})}
 	for _, n := range names {

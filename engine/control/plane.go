@@ -226,6 +226,10 @@ type Plane struct {
 	// Owned by the loop.
 	conns       map[string]*conn   // by routing id
 	named       map[string][]*conn // inbound connections past READY, by name, oldest first: the newest takes the name's messages
+	// namedLive mirrors which names have an inbound connection in named,
+	// for HasInbound from other goroutines.
+	namedMu   sync.Mutex
+	namedLive map[string]struct{}
 	outPeer     map[string]*conn   // outbound, by peer
 	perHost     map[string]int     // inbound connections per remote address
 	backlogged  map[*conn]struct{} // inbound connections with a reply backlog
@@ -258,7 +262,7 @@ func ListenWith(host string, port int, opts Options, log *slog.Logger) (*Plane, 
 	}
 	p := &Plane{log: log, warn: ratelog.New(log), opts: opts, zctx: zctx, handlers: map[MsgType]Handler{},
 		waiting: map[uint64]waiter{}, done: make(chan struct{}),
-		conns: map[string]*conn{}, named: map[string][]*conn{}, outPeer: map[string]*conn{}, perHost: map[string]int{}, backlogged: map[*conn]struct{}{}}
+		conns: map[string]*conn{}, named: map[string][]*conn{}, namedLive: map[string]struct{}{}, outPeer: map[string]*conn{}, perHost: map[string]int{}, backlogged: map[*conn]struct{}{}}
 	// Correlation ids start at random, so a restarted engine on the same
 	// port never takes a late reply meant for its previous run.
 	var seed [8]byte
@@ -417,6 +421,16 @@ func (p *Plane) sendOneWay(peer string, t MsgType, body []byte, noDial bool) err
 		frames = append(frames, body)
 	}
 	return p.enqueue(op{peer: peer, frames: frames, oneway: true, noDial: noDial, typ: t, body: body})
+}
+
+// HasInbound reports whether peer (by the name in its handshake) holds a
+// control connection to us now, as every engine that opened our segment
+// does: a one-way message to it can be delivered without a dial.
+func (p *Plane) HasInbound(peer string) bool {
+	p.namedMu.Lock()
+	defer p.namedMu.Unlock()
+	_, ok := p.namedLive[peer]
+	return ok
 }
 
 // Forget closes our connection to peer; a later Request opens a new one.
@@ -786,6 +800,9 @@ func (p *Plane) unname(c *conn) {
 	}
 	if len(l) == 0 {
 		delete(p.named, c.name)
+		p.namedMu.Lock()
+		delete(p.namedLive, c.name)
+		p.namedMu.Unlock()
 	} else {
 		p.named[c.name] = l
 	}
@@ -937,6 +954,9 @@ func (p *Plane) becameReady(c *conn) error {
 			c.name = c.rd.identity
 		}
 		p.named[c.name] = append(p.named[c.name], c) // the newest connection of a name takes its messages
+		p.namedMu.Lock()
+		p.namedLive[c.name] = struct{}{}
+		p.namedMu.Unlock()
 		return nil
 	}
 	p.flush(c)
