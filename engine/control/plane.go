@@ -224,12 +224,12 @@ type Plane struct {
 	waiting map[uint64]waiter
 
 	// Owned by the loop.
-	conns       map[string]*conn   // by routing id
-	named       map[string][]*conn // inbound connections past READY, by name, oldest first: the newest takes the name's messages
+	conns map[string]*conn   // by routing id
+	named map[string][]*conn // inbound connections past READY, by name, oldest first: the newest takes the name's messages
 	// namedLive mirrors which names have an inbound connection in named,
 	// for HasInbound from other goroutines.
-	namedMu   sync.Mutex
-	namedLive map[string]struct{}
+	namedMu     sync.Mutex
+	namedLive   map[string]struct{}
 	outPeer     map[string]*conn   // outbound, by peer
 	perHost     map[string]int     // inbound connections per remote address
 	backlogged  map[*conn]struct{} // inbound connections with a reply backlog
