@@ -69,6 +69,8 @@ fuzz-short:
 	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeAbortMsg$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeAbortAck$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeNotification$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeFenceMsg$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeFenceAck$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzZMTPReader$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/transport/tcp -run='^$$' -fuzz='^FuzzHeaderDecode$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/transport/rdma -run='^$$' -fuzz='^FuzzDecode$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s

@@ -15,8 +15,9 @@ import (
 // FenceRange is a range of this engine's registered memory to fence.
 type FenceRange = fence.Range
 
-// MaxFenceRanges caps the ranges of one Fence.
-const MaxFenceRanges = control.MaxFenceRanges
+// MaxFenceRanges caps the ranges of one Fence (a FENCE notice carries them
+// all).
+const MaxFenceRanges = fence.MaxRanges
 
 // ErrFenced: a transfer touched a range its owner fenced after the transfer
 // was planned; it ends FAILED and is never retried (SAFETY.md promise 6).

@@ -36,8 +36,13 @@ var ErrFenced = transport.ErrFenced
 // MaxEntries bounds the fences remembered one by one (see the package doc).
 const MaxEntries = 4096
 
-// MaxRanges bounds the ranges of one fence.
-const MaxRanges = 1 << 16
+// MaxRanges bounds the ranges of one fence (a FENCE notice carries them
+// all: 8 MiB).
+const MaxRanges = 1 << 19
+
+// MaxTotalRanges bounds the ranges remembered over all fences (32 MiB):
+// past it the oldest fences fold into the floor, as past MaxEntries.
+const MaxTotalRanges = 1 << 21
 
 // Range is a range of owner memory.
 type Range struct{ Addr, Len uint64 }
@@ -80,6 +85,7 @@ type Table struct {
 	mu     sync.Mutex
 	floor  uint64         // stamps below it are void everywhere
 	log    []entry        // ascending epochs, all above floor-1
+	ranges int            // ranges in log
 	active map[*guard]int // chunks in progress per access
 
 	folded atomic.Uint64
@@ -238,15 +244,17 @@ func (t *Table) Fence(ranges []Range) (uint64, <-chan struct{}, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	ep := t.epoch.Load() + 1
-	if len(t.log) >= MaxEntries {
+	for len(t.log) > 0 && (len(t.log) >= MaxEntries || t.ranges+len(ranges) > MaxTotalRanges) {
 		// Fold the oldest: every stamp below its epoch becomes void
 		// everywhere, which refuses a superset of what it refused.
 		t.floor = t.log[0].epoch
+		t.ranges -= len(t.log[0].ranges)
 		t.log[0] = entry{}
 		t.log = t.log[1:]
 		t.folded.Add(1)
 	}
 	t.log = append(t.log, entry{epoch: ep, ranges: ranges})
+	t.ranges += len(ranges)
 	fenced := &t.log[len(t.log)-1]
 	// Published under mu: a guard entering after this sees the entry; one
 	// already in is listed in active and waited for below.
@@ -296,10 +304,11 @@ type Fenced struct {
 // that it never posts a transfer the owner fenced (on rdma the owner's code
 // does not see the bytes). It is bounded like the owner's Table.
 type Known struct {
-	epoch atomic.Uint64
-	mu    sync.Mutex
-	floor uint64
-	log   []entry
+	epoch  atomic.Uint64
+	mu     sync.Mutex
+	floor  uint64
+	log    []entry
+	ranges int // ranges in log
 }
 
 // Epoch returns the newest epoch learned: the stamp of a transfer planned
@@ -324,7 +333,7 @@ func (k *Known) Reset() {
 	k.epoch.Store(0)
 	k.floor = 0
 	clear(k.log)
-	k.log = nil
+	k.log, k.ranges = nil, 0
 }
 
 // Apply records fences and a floor from a notice; it reports whether any
@@ -347,12 +356,21 @@ func (k *Known) Apply(floor uint64, fences []Fenced) bool {
 		if f.Epoch < k.floor {
 			continue
 		}
+		rs := Normalize(f.Ranges)
+		if len(rs) > MaxRanges {
+			// More than an owner sends: taken as a fence of everything
+			// below its epoch.
+			k.floor = max(k.floor, f.Epoch)
+			rs = nil
+		}
 		k.log = append(k.log, entry{})
 		copy(k.log[i+1:], k.log[i:])
-		k.log[i] = entry{epoch: f.Epoch, ranges: Normalize(f.Ranges)}
+		k.log[i] = entry{epoch: f.Epoch, ranges: rs}
+		k.ranges += len(rs)
 		news = true
-		if len(k.log) > MaxEntries {
-			k.floor = k.log[0].epoch
+		for len(k.log) > 1 && (len(k.log) > MaxEntries || k.ranges > MaxTotalRanges) {
+			k.floor = max(k.floor, k.log[0].epoch)
+			k.ranges -= len(k.log[0].ranges)
 			k.log[0] = entry{}
 			k.log = k.log[1:]
 		}

@@ -139,3 +139,30 @@ func TestKnownFencesMirrorTheOwners(t *testing.T) {
 		t.Fatal("Reset kept something")
 	}
 }
+
+// The ranges remembered are bounded too, whatever each fence names: past
+// MaxTotalRanges the oldest fences fold into the floor.
+func TestRangesRememberedAreBounded(t *testing.T) {
+	tb := New(0)
+	var k Known
+	many := func(base uint64) []Range {
+		rs := make([]Range, MaxRanges)
+		for i := range rs {
+			rs[i] = Range{base + uint64(i)*8192, 4096} // apart: nothing merges
+		}
+		return rs
+	}
+	for i := uint64(0); i < 6; i++ {
+		ep, _, err := tb.Fence(many(i << 40))
+		if err != nil {
+			t.Fatal(err)
+		}
+		k.Apply(0, []Fenced{{Epoch: ep, Ranges: many(i << 40)}})
+	}
+	if tb.ranges > MaxTotalRanges || k.ranges > MaxTotalRanges {
+		t.Fatalf("ranges remembered: owner %d, initiator %d; at most %d", tb.ranges, k.ranges, MaxTotalRanges)
+	}
+	if tb.Floor() == 0 || tb.Check(0, 5<<40, 1) == nil || !k.Void(0, 1<<41, 1) {
+		t.Fatal("folded fences no longer refuse what they fenced")
+	}
+}
