@@ -18,13 +18,14 @@
 // slots at once with a pattern of its own, and checks every slot against
 // the pattern of its current holder.
 //
-// The fence rows (fence_test.go; SAFETY.md promise 7) run the same harness
-// with a prefill that passes no request id (0 on every transfer, as
-// SGLang's and vLLM's Mooncake wrappers do): decode cannot abort such a
-// request, so it protects the pages with Engine.Fence of the request's
-// slots (every page in every layer) and reuses them at once. A fence stops
-// what was planned before it, so decode fences a request once the prefill
-// said "planned" for it; the pages go to later requests, which the prefill
-// hears of after the fence returned (the normal flow), and none of those
-// may fail.
+// The fence rows (fence_test.go, fencesignal_test.go; SAFETY.md promise 7)
+// run the same harness with a prefill that passes no request id (0 on every
+// transfer, as SGLang's and vLLM's Mooncake wrappers do): decode cannot
+// abort such a request, so it protects the pages with Engine.Fence of the
+// request's slots (every page in every layer) and reuses them at once. A
+// fence stops what was planned before it, so decode fences a request once
+// the prefill said "planned" for it (TestFenceBeforeThePrefillPlanned...
+// shows what lands otherwise); the pages go to later requests, which the
+// prefill hears of after the fence returned (the normal flow), and none of
+// those may fail.
 package pd

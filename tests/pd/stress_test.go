@@ -59,7 +59,11 @@ type stressConfig struct {
 	// decode protects the pages of a request it gives up with Engine.Fence
 	// of its slots instead of Abort (SAFETY.md promise 7).
 	fence bool
-	seed  uint64
+	// fenceEarly: decode fences a request while it is written without
+	// waiting until the prefill planned all of it, so layers it plans
+	// after the fence pass (for the row that shows why the others wait).
+	fenceEarly bool
+	seed       uint64
 	// Fates, in percent; the rest are not aborted. Half of the during
 	// aborts wait until the request's first page starts landing, the other
 	// half a random delay below duringMax.
@@ -425,7 +429,7 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 			case fateDuring:
 				ch, planned := pp.sendPlanned(t, rid, 0, cfg.layers, cfg.pages, cfg.pageSize, addrs)
 				var early *outcome
-				if cfg.fence {
+				if cfg.fence && !cfg.fenceEarly {
 					// A fence stops the transfers planned before it: a
 					// layer the prefill submitted after it would pass,
 					// and land in the reused pages. Decode fences once
