@@ -10,8 +10,12 @@ package pd
 // which the prefill hears of only after the fence returned, never fail.
 
 import (
+	"context"
 	"testing"
 	"time"
+
+	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
 // fenceStress is the tcp fence rows' shape: baseStress, with decode
@@ -141,4 +145,101 @@ func TestRDMAFenceStressUnprotectedFindsCorruption(t *testing.T) {
 	if bad, old := r.totalBad(); old == 0 {
 		t.Errorf("no given-up request's pattern found in a reused slot (%d corrupted bytes in all): the unsafe fence should let posted WRITEs land", bad)
 	}
+}
+
+// TestRDMAFenceStressIsSafe: SAFETY.md's row "fake rdma, Fence on". Each
+// fence cuts decode's responder QPs of the prefill (its rkeys for request
+// id 0 reach whole registrations), so WRITEs in flight stop; the prefill's
+// other requests go on over new QPs. 0 corrupted bytes, every fence Safe,
+// some fences struck WRITEs in flight (tasks refused as fenced), and no
+// request the prefill heard of after the fence of its pages fails.
+func TestRDMAFenceStressIsSafe(t *testing.T) {
+	cfg := rdmaFenceStress()
+	cfg.delayUs = 300
+	cfg.budget = 45 * time.Second
+	cfg.requests = 600
+	if testing.Short() {
+		cfg.requests = 200
+	}
+	r := runStress(t, cfg)
+	checkProtectedFence(t, r)
+	if r.decode.RDMAFences == 0 {
+		t.Errorf("decode cut no QP of the prefill in %d fences", r.fences)
+	}
+}
+
+// TestRDMAFencesOfOtherPagesLetARequestInFlightComplete: a request the
+// prefill writes (no request id) into pages decode never fences must
+// complete, however many fences of other pages strike while it is in
+// flight: each fence cuts decode's responder QPs of the prefill, and the
+// prefill's work on them is posted again on new QPs (Engine.Fence's doc).
+// Decode fences one other page MaxRetries+2 times while the request is
+// being placed, each time once the request's WRITEs were posted again on
+// new QPs (decode answered a keys request for them).
+func TestRDMAFencesOfOtherPagesLetARequestInFlightComplete(t *testing.T) {
+	const (
+		size    = 32 << 20 // the request: one page, 32 WRITEs of 1 MiB on one path
+		slice   = 1 << 20
+		other   = 64 << 10 // the page decode fences
+		delayUs = 2000     // 15 gaps per WRITE, two NICs: about half a second to land
+		rid     = 1
+		fences  = 2 + 2 // the prefill's Options.MaxRetries (default 2), plus 2
+	)
+	pcfg := rdmaPrefill(t, prefillConfig{slice: slice, paths: 1, workers: 2, srcSize: size, noRID: true})
+	d, err := engine.New(pcfg.decodeOptions())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	mem, err := d.AllocBuffer(size+other, "cpu")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.FreeBuffer(engine.AddrOf(mem)) })
+	slot, page := mem[:size:size], mem[size:]
+	fakeverbs.SlowPlacement(t, delayUs)
+	pp := startPrefill(t, pcfg, d.Name())
+
+	req := holder{tag: rid}
+	ch := pp.send(t, rid, 0, 1, 1, size, []uint64{engine.AddrOf(slot)})
+	var end *outcome // the request's, once it ended
+	if end = waitFor(t, 30*time.Second, "the request's first bytes to land", ch, func() bool { return landedBytes(slot, req, 0) > 0 }); end != nil {
+		t.Fatalf("the request ended before any byte of it landed: %s", end.line)
+	}
+	done := 0
+	for done < fences && end == nil {
+		keys := d.Stats().RDMAKeyRequests
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		fr, err := d.Fence(ctx, []engine.FenceRange{{Addr: engine.AddrOf(page), Len: other}})
+		cancel()
+		if err != nil || !fr.Safe {
+			t.Fatalf("fence %d of the other page = %+v, %v; want Safe", done+1, fr, err)
+		}
+		done++
+		t.Logf("fence %d: epoch %d, cut %v, acked %v; %d KiB of the request landed", done, fr.Epoch, fr.Cut, fr.Acked, landedBytes(slot, req, 0)>>10)
+		if done < fences {
+			// Posted again on new QPs: they asked decode for keys.
+			end = waitFor(t, 30*time.Second, "the request's WRITEs to be posted again", ch, func() bool { return d.Stats().RDMAKeyRequests > keys })
+		}
+	}
+	if end == nil {
+		select {
+		case o := <-ch:
+			end = &o
+		case <-time.After(30 * time.Second):
+			t.Fatal("the request did not end within 30s of the last fence")
+		}
+	}
+	t.Logf("the request, after %d fences of the other page: %s", done, end.line)
+	if end.status != engine.Completed.String() {
+		t.Fatalf("a request into pages never fenced ended %s after %d fences of another page struck while it was in flight: %s", end.status, done, end.line)
+	}
+	if done < fences {
+		t.Fatalf("the request completed after only %d of the %d fences: too little in flight to test", done, fences)
+	}
+	if n := landedBytes(slot, req, 0); n != size {
+		t.Errorf("%d of the request's %d bytes landed", n, size)
+	}
+	bye := pp.finish(t, 30*time.Second)
+	t.Logf("prefill: retries %d, rdma error completions %d, fence notices %d", bye["retries"], bye["rdma_error_wcs"], bye["fences_received"])
 }
