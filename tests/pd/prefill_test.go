@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -32,6 +33,7 @@ const (
 	rdmaEnv    = "KVFERRY_PD_RDMA"         // the libibverbs to load: Options.Protocol "rdma" over it; unset: tcp
 	devicesEnv = "KVFERRY_PD_RDMA_DEVICES" // the prefill's Options.RDMADevices
 	noFenceEnv = "KVFERRY_PD_NOFENCE"      // "1": Options.RDMANoFence
+	noRIDEnv   = "KVFERRY_PD_NORID"        // "1": request id 0 on every transfer
 )
 
 func TestMain(m *testing.M) {
@@ -54,6 +56,11 @@ type prefillConfig struct {
 	rdma             string // the libibverbs to write over rdma with (fakeverbs.Library); "": tcp
 	noFence          bool   // Options.RDMANoFence
 	devices          string // the prefill's Options.RDMADevices (decode's: fakeverbs.Devices("owner"))
+	// noRID: the prefill passes no request id (0, generation 0, on every
+	// transfer), as SGLang's and vLLM's Mooncake wrappers do; only a Fence
+	// of decode's pages stops its transfers. The request ids of the
+	// bootstrap lines still name the requests' patterns.
+	noRID bool
 }
 
 func (c prefillConfig) env() []string {
@@ -65,9 +72,13 @@ func (c prefillConfig) env() []string {
 	if c.noFence {
 		nf = "1"
 	}
+	nr := "0"
+	if c.noRID {
+		nr = "1"
+	}
 	return []string{roleEnv + "=prefill", unsafeEnv + "=" + u, sliceEnv + "=" + strconv.Itoa(c.slice),
 		pathsEnv + "=" + strconv.Itoa(c.paths), workersEnv + "=" + strconv.Itoa(c.workers), srcEnv + "=" + strconv.Itoa(c.srcSize),
-		rdmaEnv + "=" + c.rdma, noFenceEnv + "=" + nf, devicesEnv + "=" + c.devices}
+		rdmaEnv + "=" + c.rdma, noFenceEnv + "=" + nf, devicesEnv + "=" + c.devices, noRIDEnv + "=" + nr}
 }
 
 // options are the prefill's engine options: c's transport, pinned (tcp
@@ -199,7 +210,7 @@ func runPrefill() int {
 	}
 	cfg := prefillConfig{unsafe: os.Getenv(unsafeEnv) == "1", slice: num(sliceEnv), paths: num(pathsEnv),
 		workers: num(workersEnv), srcSize: num(srcEnv), rdma: os.Getenv(rdmaEnv), noFence: os.Getenv(noFenceEnv) == "1",
-		devices: os.Getenv(devicesEnv)}
+		devices: os.Getenv(devicesEnv), noRID: os.Getenv(noRIDEnv) == "1"}
 	if cfg.slice <= 0 || cfg.paths <= 0 || cfg.workers <= 0 || cfg.srcSize <= 0 {
 		return fail("bad configuration %+v", cfg)
 	}
@@ -222,6 +233,8 @@ func runPrefill() int {
 	if err != nil {
 		return fail("alloc: %v", err)
 	}
+	// What fences refused, over every request (see writeRequest).
+	var fenced fenceTally
 	// The application learns of aborts through events; take them so the
 	// queue never overflows, and count them.
 	var abortEvents, otherEvents int
@@ -272,7 +285,7 @@ func runPrefill() int {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			out.printf("%s", writeRequest(e, seg, j, s))
+			out.printf("%s", writeRequest(e, seg, j, s, cfg.noRID, out, &fenced))
 			slots <- s
 		}()
 	}
@@ -289,23 +302,35 @@ func runPrefill() int {
 		return fail("free: %v", err)
 	}
 	g, fds := settled(g0, f0, 2*time.Second)
-	out.printf("bye completed=%d failed=%d inflight=%d tasks_aborted=%d aborts_received=%d abort_events=%d other_events=%d events_dropped=%d goroutines_before=%d goroutines_after=%d fds_before=%d fds_after=%d rdma_wrs=%d rdma_error_wcs=%d rdma_failovers=%d retries=%d",
+	out.printf("bye completed=%d failed=%d inflight=%d tasks_aborted=%d aborts_received=%d abort_events=%d other_events=%d events_dropped=%d goroutines_before=%d goroutines_after=%d fds_before=%d fds_after=%d rdma_wrs=%d rdma_error_wcs=%d rdma_failovers=%d retries=%d tasks_fenced=%d bytes_fenced=%d fences_received=%d",
 		st.TasksCompleted, st.TasksFailed, st.TasksInFlight, st.TasksAborted, st.AbortsReceived, abortEvents, otherEvents,
-		st.EventsDropped, g0, g, f0, fds, st.RDMAWorkRequests, st.RDMAErrorWCs, st.RDMAFailovers, st.Retries)
+		st.EventsDropped, g0, g, f0, fds, st.RDMAWorkRequests, st.RDMAErrorWCs, st.RDMAFailovers, st.Retries,
+		fenced.tasks.Load(), fenced.bytes.Load(), st.FencesReceived)
 	return 0
 }
 
+// fenceTally counts the prefill's tasks that their owner refused as fenced
+// (engine.ErrFenced), and the bytes of them that did not land.
+type fenceTally struct{ tasks, bytes atomic.Int64 }
+
 // writeRequest writes one request: per layer, its pattern is "computed"
 // into the source and the layer's pages go out as one batch submit (as
-// SGLang writes KV layer by layer), then it waits for all of them. It
-// returns the "done" line.
-func writeRequest(e *engine.Engine, seg *engine.Segment, j job, src []byte) string {
+// SGLang writes KV layer by layer), with the request's id unless noRID.
+// Once every submit returned it says "planned": nothing of the request is
+// planned after that line. Then it waits for all of its tasks and returns
+// the "done" line.
+func writeRequest(e *engine.Engine, seg *engine.Segment, j job, src []byte, noRID bool, out *lineOut, fenced *fenceTally) string {
 	b, err := e.AllocateBatch(j.layers * j.pages)
 	if err != nil {
-		return fmt.Sprintf("done %d SUBMIT_FAILED 0 0 %q", j.rid, err.Error())
+		out.printf("planned %d", j.rid)
+		return fmt.Sprintf("done %d SUBMIT_FAILED 0 0 0 0 %q", j.rid, err.Error())
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
+	rid, gen := j.rid, j.gen
+	if noRID {
+		rid, gen = 0, 0
+	}
 	var submitErr error
 	reqs := make([]engine.Request, j.pages)
 	for l := range j.layers {
@@ -314,28 +339,47 @@ func writeRequest(e *engine.Engine, seg *engine.Segment, j job, src []byte) stri
 			loc := src[k*j.pageSize : (k+1)*j.pageSize]
 			fillSlot(loc, holder{tag: j.rid, pos: p}, l)
 			reqs[p] = engine.Request{Op: engine.Write, Local: engine.AddrOf(loc), Segment: seg, Remote: j.addrs[k],
-				Length: uint64(j.pageSize), RequestID: j.rid, Generation: j.gen}
+				Length: uint64(j.pageSize), RequestID: rid, Generation: gen}
 		}
 		if submitErr = b.Submit(ctx, reqs); submitErr != nil {
 			break
 		}
 	}
+	out.printf("planned %d", j.rid)
 	if err := b.Wait(ctx); err != nil {
 		b.Cancel()
 	}
 	res := b.Results()
 	if err := b.Free(); err != nil {
-		return fmt.Sprintf("done %d SUBMIT_FAILED 0 %d %q", j.rid, len(res), "free: "+err.Error())
+		return fmt.Sprintf("done %d SUBMIT_FAILED 0 %d 0 0 %q", j.rid, len(res), "free: "+err.Error())
 	}
-	status, moved, firstErr := engine.Completed, uint64(0), error(nil)
+	status, moved := engine.Completed, uint64(0)
+	var firstErr, firstFenced error
+	nfenced, others := 0, 0
 	for _, r := range res {
 		moved += r.Transferred
-		if r.Status != engine.Completed && firstErr == nil {
-			firstErr = r.Err
+		switch {
+		case r.Status == engine.Completed:
+		case errors.Is(r.Err, engine.ErrFenced):
+			nfenced++
+			fenced.tasks.Add(1)
+			fenced.bytes.Add(int64(uint64(j.pageSize) - r.Transferred))
+			if firstFenced == nil {
+				firstFenced = r.Err
+			}
+		default:
+			others++
+			if firstErr == nil {
+				firstErr = r.Err
+			}
 		}
 		if rank(r.Status) > rank(status) {
 			status = r.Status
 		}
+	}
+	if firstErr == nil {
+		// The first error that is not a fence's, else the first fence's.
+		firstErr = firstFenced
 	}
 	name := status.String()
 	if submitErr != nil {
@@ -345,7 +389,7 @@ func writeRequest(e *engine.Engine, seg *engine.Segment, j job, src []byte) stri
 	if firstErr != nil {
 		msg = firstErr.Error()
 	}
-	return fmt.Sprintf("done %d %s %d %d %q", j.rid, name, moved, len(res), msg)
+	return fmt.Sprintf("done %d %s %d %d %d %d %q", j.rid, name, moved, len(res), nfenced, others, msg)
 }
 
 // rank orders task states for a request's summary: the worst one names it.

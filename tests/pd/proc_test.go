@@ -3,6 +3,7 @@ package pd
 import (
 	"bufio"
 	"bytes"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -18,7 +19,16 @@ import (
 type outcome struct {
 	status string // a task status (COMPLETED, ABORTED, ...) or SUBMIT_FAILED
 	moved  uint64 // bytes the prefill's engine confirmed landed
+	tasks  int    // the request's tasks (a page of a layer each)
+	fenced int    // tasks refused as fenced (engine.ErrFenced)
+	others int    // tasks that did not complete for another reason
 	line   string
+}
+
+// fencedOnly reports whether the request ended refused by a fence: some
+// of its tasks fenced, every other one completed.
+func (o outcome) fencedOnly() bool {
+	return o.status == "FAILED" && o.fenced > 0 && o.others == 0
 }
 
 // prefillProc is the running prefill process, seen from decode: the
@@ -33,7 +43,8 @@ type prefillProc struct {
 
 	mu      sync.Mutex
 	waiters map[uint64]chan outcome
-	strays  []string // lines that matched nothing: reported by finish
+	planned map[uint64]chan struct{} // closed at the request's "planned" line
+	strays  []string                 // lines that matched nothing: reported by finish
 
 	bye        chan string   // the "bye" line
 	readerDone chan struct{} // stdout reached its end
@@ -67,7 +78,7 @@ func startPrefill(t *testing.T, cfg prefillConfig, decodeName string) *prefillPr
 		t.Fatalf("start prefill: %v", err)
 	}
 	p := &prefillProc{cmd: cmd, stdin: bufio.NewWriter(stdin), pipe: stdin, waiters: map[uint64]chan outcome{},
-		bye: make(chan string, 1), readerDone: make(chan struct{})}
+		planned: map[uint64]chan struct{}{}, bye: make(chan string, 1), readerDone: make(chan struct{})}
 	first := make(chan string, 1)
 	go p.read(stdout, first)
 	t.Cleanup(func() { p.stop(t) })
@@ -88,7 +99,8 @@ func startPrefill(t *testing.T, cfg prefillConfig, decodeName string) *prefillPr
 }
 
 // read dispatches the prefill's stdout lines: the first to first, "done"
-// lines to the request's waiter, "bye" to p.bye.
+// lines to the request's waiter, "planned" lines to the request's planned
+// channel, "bye" to p.bye.
 func (p *prefillProc) read(stdout interface{ Read([]byte) (int, error) }, first chan<- string) {
 	defer close(p.readerDone)
 	sc := bufio.NewScanner(stdout)
@@ -101,19 +113,36 @@ func (p *prefillProc) read(stdout interface{ Read([]byte) (int, error) }, first 
 		}
 		f := strings.Fields(l)
 		switch {
-		case len(f) >= 4 && f[0] == "done":
+		case len(f) >= 7 && f[0] == "done":
 			rid, err1 := strconv.ParseUint(f[1], 10, 64)
 			moved, err2 := strconv.ParseUint(f[3], 10, 64)
+			tasks, err3 := strconv.Atoi(f[4])
+			fenced, err4 := strconv.Atoi(f[5])
+			others, err5 := strconv.Atoi(f[6])
 			p.mu.Lock()
 			ch := p.waiters[rid]
 			delete(p.waiters, rid)
-			if ch == nil || err1 != nil || err2 != nil {
+			if pl := p.planned[rid]; pl != nil {
+				close(pl) // a request that ended is planned, whatever it said
+				delete(p.planned, rid)
+			}
+			if ch == nil || errors.Join(err1, err2, err3, err4, err5) != nil {
 				p.strays = append(p.strays, l)
 			}
 			p.mu.Unlock()
 			if ch != nil {
-				ch <- outcome{status: f[2], moved: moved, line: l}
+				ch <- outcome{status: f[2], moved: moved, tasks: tasks, fenced: fenced, others: others, line: l}
 			}
+		case len(f) == 2 && f[0] == "planned":
+			rid, err := strconv.ParseUint(f[1], 10, 64)
+			p.mu.Lock()
+			if pl := p.planned[rid]; pl != nil && err == nil {
+				close(pl)
+				delete(p.planned, rid)
+			} else {
+				p.strays = append(p.strays, l)
+			}
+			p.mu.Unlock()
 		case len(f) >= 1 && f[0] == "bye":
 			p.bye <- l
 		default:
@@ -139,9 +168,17 @@ func (p *prefillProc) sendLine(t *testing.T, l string) {
 // send asks the prefill to write request rid at gen into addrs (layer-major)
 // and returns the channel its outcome arrives on.
 func (p *prefillProc) send(t *testing.T, rid uint64, gen uint32, layers, pages, pageSize int, addrs []uint64) <-chan outcome {
-	ch := make(chan outcome, 1)
+	ch, _ := p.sendPlanned(t, rid, gen, layers, pages, pageSize, addrs)
+	return ch
+}
+
+// sendPlanned is send, and also returns a channel closed once the prefill
+// planned every transfer of the request (its "planned" line, or its end).
+func (p *prefillProc) sendPlanned(t *testing.T, rid uint64, gen uint32, layers, pages, pageSize int, addrs []uint64) (<-chan outcome, <-chan struct{}) {
+	ch, pl := make(chan outcome, 1), make(chan struct{})
 	p.mu.Lock()
 	p.waiters[rid] = ch
+	p.planned[rid] = pl
 	p.mu.Unlock()
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "request %d %d %d %d %d", rid, gen, layers, pages, pageSize)
@@ -150,7 +187,7 @@ func (p *prefillProc) send(t *testing.T, rid uint64, gen uint32, layers, pages, 
 		sb.WriteString(strconv.FormatUint(a, 10))
 	}
 	p.sendLine(t, sb.String())
-	return ch
+	return ch, pl
 }
 
 // finish closes the prefill's stdin, waits for its "bye" line and its exit,

@@ -52,8 +52,18 @@ type stressConfig struct {
 	slice, paths            int
 	poolPages               int           // page indices in decode's pool (each a slot per layer)
 	applyDelay              time.Duration // decode's Options.Testing.ApplyDelay
-	unsafe                  bool          // Options.Testing.UnsafeAbort on both sides
-	seed                    uint64
+	// unsafe: the protection off: Options.Testing.UnsafeAbort on both
+	// sides, or with fence decode's Options.Testing.UnsafeFence.
+	unsafe bool
+	// fence: the prefill passes no request id (prefillConfig.noRID), and
+	// decode protects the pages of a request it gives up with Engine.Fence
+	// of its slots instead of Abort (SAFETY.md promise 7).
+	fence bool
+	// fenceEarly: decode fences a request while it is written without
+	// waiting until the prefill planned all of it, so layers it plans
+	// after the fence pass (for the row that shows why the others wait).
+	fenceEarly bool
+	seed       uint64
 	// Fates, in percent; the rest are not aborted. Half of the during
 	// aborts wait until the request's first page starts landing, the other
 	// half a random delay below duringMax.
@@ -85,7 +95,11 @@ type stressResult struct {
 	aborts       int
 	notSafe      int
 	abortTimes   []time.Duration
-	decode       engine.Stats // decode's counters after the run, before Close
+	fences       int             // Fence calls (fence mode)
+	fenceNotSafe int             // of them, not Safe
+	fenceUnacked int             // of them, returned without the prefill's FENCE_ACK (FenceGrace passed)
+	fenceTimes   []time.Duration // each call's time to return
+	decode       engine.Stats    // decode's counters after the run, before Close
 	prefill      map[string]int64
 	elapsed      time.Duration
 	bytesMoved   uint64
@@ -143,8 +157,14 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 	}
 	rc := &recorder{res: res}
 
-	pcfg := prefillConfig{unsafe: cfg.unsafe, slice: cfg.slice, paths: cfg.paths,
-		workers: 2 * cfg.lanes, srcSize: cfg.layers * cfg.pages * cfg.pageSize, noFence: cfg.noFence}
+	if cfg.fence && cfg.before != 0 {
+		// A writer told of pages after their fence plans its transfers
+		// after it, and they pass: that is the normal flow of the next
+		// request, not a protected abort.
+		t.Fatal("a fence run has no aborts before the prefill hears of the request")
+	}
+	pcfg := prefillConfig{unsafe: cfg.unsafe && !cfg.fence, slice: cfg.slice, paths: cfg.paths,
+		workers: 2 * cfg.lanes, srcSize: cfg.layers * cfg.pages * cfg.pageSize, noFence: cfg.noFence, noRID: cfg.fence}
 	if cfg.rdma {
 		pcfg = rdmaPrefill(t, pcfg)
 		if fakeverbs.Real() {
@@ -167,7 +187,7 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 	}
 
 	dopts := pcfg.decodeOptions()
-	dopts.Testing = engine.Testing{UnsafeAbort: cfg.unsafe, ApplyDelay: cfg.applyDelay}
+	dopts.Testing = engine.Testing{UnsafeAbort: cfg.unsafe && !cfg.fence, UnsafeFence: cfg.unsafe && cfg.fence, ApplyDelay: cfg.applyDelay}
 	dopts.RDMAFenceGrace = cfg.fenceGrace
 	d, err := engine.New(dopts)
 	if err != nil {
@@ -228,6 +248,59 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 		if took > cfg.abortDeadline+500*time.Millisecond {
 			t.Errorf("Abort(%d) returned %v after its call, its deadline was %v", rid, took, cfg.abortDeadline)
 		}
+	}
+	// fence fences every slot of the pages of a request decode gives up
+	// (each page in every layer), for a writer that passes no request id.
+	fence := func(pgs []int) {
+		ranges := make([]engine.FenceRange, 0, cfg.layers*len(pgs))
+		for l := range cfg.layers {
+			for _, pg := range pgs {
+				s := pool.slot(l, pg)
+				ranges = append(ranges, engine.FenceRange{Addr: engine.AddrOf(s), Len: uint64(len(s))})
+			}
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), cfg.abortDeadline)
+		defer cancel()
+		start := time.Now()
+		fr, err := d.Fence(ctx, ranges)
+		took := time.Since(start)
+		rc.mu.Lock()
+		defer rc.mu.Unlock()
+		res.fences++
+		res.fenceTimes = append(res.fenceTimes, took)
+		if err != nil || !fr.Safe {
+			res.fenceNotSafe++
+			if res.fenceNotSafe <= 5 {
+				t.Errorf("Fence of pages %v = %+v, %v after %v; want Safe", pgs, fr, err, took)
+			}
+		}
+		if !cfg.unsafe && !slices.Contains(fr.Acked, pp.name) {
+			res.fenceUnacked++
+		}
+		if took > cfg.abortDeadline+500*time.Millisecond {
+			t.Errorf("Fence of pages %v returned %v after its call, its deadline was %v", pgs, took, cfg.abortDeadline)
+		}
+	}
+	// protect makes a request's pages decode's again: Abort of its id,
+	// or Fence of its pages.
+	protect := func(rid uint64, pgs []int) {
+		if cfg.fence {
+			fence(pgs)
+		} else {
+			abort(rid)
+		}
+	}
+	// gaveUp says how decode gave up a request, in messages.
+	gaveUp := "aborted"
+	if cfg.fence {
+		gaveUp = "fenced"
+	}
+	// label is an outcome's name in the run's counts.
+	label := func(o outcome) string {
+		if cfg.fence && o.fencedOnly() {
+			return "FENCED"
+		}
+		return o.status
 	}
 	// reuse gives an aborted request's pages to decode itself at once,
 	// with a pattern of its own, and frees them.
@@ -310,23 +383,26 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 					return
 				}
 				rc.mu.Lock()
-				res.outcomes[f][o.status]++
+				res.outcomes[f][label(o)]++
 				rc.mu.Unlock()
 				if o.status != engine.Completed.String() {
 					// A transfer that did not complete, of a request not
 					// aborted: an error. Its pages hold whatever landed,
 					// no holder's pattern; decode gives up the request
-					// as an application would, aborting it before it
-					// reuses the pages, and the run goes on so that its
-					// checks cover every request.
+					// as an application would, aborting (or fencing) it
+					// before it reuses the pages, and the run goes on so
+					// that its checks cover every request. In a fence
+					// run this is what the protected rows rule out: a
+					// request handed pages only after their last fence
+					// returned, failing.
 					rc.mu.Lock()
 					res.notCompleted++
 					n := res.notCompleted
 					rc.mu.Unlock()
 					if n <= 5 {
-						t.Errorf("request %d (not aborted before it completed): %s", rid, o.line)
+						t.Errorf("request %d (not %s before it completed): %s", rid, gaveUp, o.line)
 					}
-					abort(rid)
+					protect(rid, pgs)
 					reuse(rid, pgs)
 					continue
 				}
@@ -336,7 +412,7 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 					}
 				}
 				if f == fateAfter {
-					abort(rid)
+					protect(rid, pgs)
 					reuse(rid, pgs)
 				} else {
 					pool.put(pgs)
@@ -351,9 +427,26 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 				pending = append(pending, pendingReq{rid, f, ch})
 				pendMu.Unlock()
 			case fateDuring:
-				ch := pp.send(t, rid, 0, cfg.layers, cfg.pages, cfg.pageSize, addrs)
+				ch, planned := pp.sendPlanned(t, rid, 0, cfg.layers, cfg.pages, cfg.pageSize, addrs)
 				var early *outcome
-				if rng.IntN(2) == 0 {
+				if cfg.fence && !cfg.fenceEarly {
+					// A fence stops the transfers planned before it: a
+					// layer the prefill submitted after it would pass,
+					// and land in the reused pages. Decode fences once
+					// every layer of the request was submitted.
+					select {
+					case <-planned:
+					case o := <-ch:
+						early = &o
+					case <-time.After(time.Minute):
+						t.Errorf("request %d: not planned within a minute", rid)
+						failed.Store(true)
+						return
+					}
+				}
+				switch {
+				case early != nil: // it ended before it was all planned
+				case rng.IntN(2) == 0:
 					// Until the first word of one of its layer-0 pages
 					// landed: frames of it are certainly on their way.
 					want := make([]uint64, cfg.pages)
@@ -380,7 +473,7 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 							break
 						}
 					}
-				} else {
+				default:
 					select {
 					case o := <-ch:
 						early = &o
@@ -395,7 +488,7 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 						}
 					}
 				}
-				abort(rid)
+				protect(rid, pgs)
 				reuse(rid, pgs)
 				if early != nil {
 					done := make(chan outcome, 1)
@@ -427,30 +520,50 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 
 	// The aborted requests' outcomes: ABORTED, or COMPLETED when the
 	// abort came too late to stop anything (during) or protection was off.
+	badEnds := 0
 	for _, p := range pending {
 		o, ok := wait(p.rid, p.ch)
 		if !ok {
 			break
 		}
-		res.outcomes[p.f][o.status]++
+		res.outcomes[p.f][label(o)]++
 		okStatus := o.status == engine.Aborted.String() ||
 			(o.status == engine.Completed.String() && (p.f == fateDuring || cfg.unsafe))
-		if !okStatus {
-			t.Errorf("request %d (aborted %s): %s", p.rid, p.f, o.line)
+		if cfg.fence {
+			// Refused as fenced, or completed before the fence struck (or
+			// with the protection off): never another failure.
+			okStatus = o.status == engine.Completed.String() || (!cfg.unsafe && o.fencedOnly())
 		}
+		if !okStatus {
+			if badEnds++; badEnds <= 5 {
+				t.Errorf("request %d (%s %s): %s", p.rid, gaveUp, p.f, o.line)
+			}
+		}
+	}
+	if badEnds > 5 {
+		t.Errorf("%d %s requests in all ended otherwise than that allows (the first 5 above)", badEnds, gaveUp)
 	}
 	res.elapsed = time.Since(start)
 
 	// Every abort is acknowledged (promise 2; on tcp Safe does not wait
 	// for it), so the prefill has heard them all before it leaves. An ACK
 	// counts only while its abort waits for it, up to the abort's
-	// deadline: no later one can.
+	// deadline: no later one can. Likewise every fence's notice reaches
+	// the prefill, which answers it: within FenceGrace, or later while
+	// the fence resends it.
+	wantFenceAcks := uint64(res.fences)
+	if cfg.unsafe {
+		wantFenceAcks = 0 // the unsafe Fence tells no one
+	}
 	ackDeadline := time.Now().Add(cfg.abortDeadline + time.Second)
-	for d.Stats().AbortAcks < uint64(res.aborts) && time.Now().Before(ackDeadline) {
+	for st := d.Stats(); (st.AbortAcks < uint64(res.aborts) || st.FenceAcks < wantFenceAcks) && time.Now().Before(ackDeadline); st = d.Stats() {
 		time.Sleep(5 * time.Millisecond)
 	}
 	if st := d.Stats(); st.AbortAcks != uint64(res.aborts) {
 		t.Errorf("decode has %d ABORT_ACKs (%d unmatched) for %d aborts, %v after the last", st.AbortAcks, st.AcksUnmatched, res.aborts, cfg.abortDeadline+time.Second)
+	}
+	if st := d.Stats(); st.FenceAcks != wantFenceAcks {
+		t.Errorf("decode has %d FENCE_ACKs (%d unmatched) for %d fences; want %d", st.FenceAcks, st.FenceAcksUnmatched, res.fences, wantFenceAcks)
 	}
 	res.prefill = pp.finish(t, 30*time.Second)
 	res.decode = d.Stats()
@@ -468,6 +581,9 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 	if bye["abort_events"] != int64(res.aborts) {
 		t.Errorf("prefill got %d EventAborted for %d aborts; want one each", bye["abort_events"], res.aborts)
 	}
+	if cfg.fence && !cfg.unsafe && bye["fences_received"] < int64(res.fences) {
+		t.Errorf("prefill received %d FENCE notices for %d fences; want one each at least", bye["fences_received"], res.fences)
+	}
 
 	// Decode's registry and request table: back to the baseline, only
 	// tombstones left (one per aborted request id; the unsafe mode keeps
@@ -483,6 +599,9 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 	}
 	if st.AbortsSafe != uint64(res.aborts-res.notSafe) || st.AbortsNotSafe != uint64(res.notSafe) {
 		t.Errorf("decode counted %d safe and %d unsafe aborts; the calls saw %d and %d", st.AbortsSafe, st.AbortsNotSafe, res.aborts-res.notSafe, res.notSafe)
+	}
+	if st.FencesSafe != uint64(res.fences-res.fenceNotSafe) || st.FencesNotSafe != uint64(res.fenceNotSafe) {
+		t.Errorf("decode counted %d safe and %d unsafe fences; the calls saw %d and %d", st.FencesSafe, st.FencesNotSafe, res.fences-res.fenceNotSafe, res.fenceNotSafe)
 	}
 
 	// Close cuts every connection and returns once no goroutine of the
@@ -523,21 +642,21 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 func (r *stressResult) log(t *testing.T, cfg stressConfig) {
 	t.Helper()
 	bad, old := r.totalBad()
-	lat := slices.Clone(r.abortTimes)
-	slices.Sort(lat)
-	pct := func(p float64) time.Duration {
-		if len(lat) == 0 {
+	pct := func(times []time.Duration, p float64) time.Duration {
+		if len(times) == 0 {
 			return 0
 		}
+		lat := slices.Clone(times)
+		slices.Sort(lat)
 		return lat[min(len(lat)-1, int(p*float64(len(lat))))]
 	}
 	n := 0 // requests started: all, unless the run stopped early
 	for _, k := range r.fates {
 		n += k
 	}
-	t.Logf("%d requests in %v (%.0f/s), %d MiB landed at decode; %d lanes, %d layers x %d pages of %d KiB, slices of %d KiB over %d paths, apply delay %v, unsafe %v",
+	t.Logf("%d requests in %v (%.0f/s), %d MiB landed at decode; %d lanes, %d layers x %d pages of %d KiB, slices of %d KiB over %d paths, apply delay %v, unsafe %v, fence (no request ids) %v",
 		n, r.elapsed.Round(time.Millisecond), float64(n)/r.elapsed.Seconds(), r.bytesMoved>>20,
-		cfg.lanes, cfg.layers, cfg.pages, cfg.pageSize>>10, cfg.slice>>10, cfg.paths, cfg.applyDelay, cfg.unsafe)
+		cfg.lanes, cfg.layers, cfg.pages, cfg.pageSize>>10, cfg.slice>>10, cfg.paths, cfg.applyDelay, cfg.unsafe, cfg.fence)
 	if cfg.rdma {
 		st := r.decode
 		t.Logf("  over rdma (real devices %v, no fence %v, placement slowed %d us per 64 KiB): decode fences %d (pending %d), error completions %d, failovers %d",
@@ -546,8 +665,17 @@ func (r *stressResult) log(t *testing.T, cfg stressConfig) {
 	for f := range nfates {
 		t.Logf("  fate %-6s %5d requests, outcomes %v", fate(f), r.fates[f], r.outcomes[f])
 	}
-	t.Logf("  %d aborts (%d not safe), call to return p50 %v p99 %v max %v; %d requests not aborted did not complete", r.aborts, r.notSafe, pct(0.5), pct(0.99), pct(1), r.notCompleted)
 	st := r.decode
+	if !cfg.fence {
+		t.Logf("  %d aborts (%d not safe), call to return p50 %v p99 %v max %v; %d requests not aborted did not complete", r.aborts, r.notSafe,
+			pct(r.abortTimes, 0.5), pct(r.abortTimes, 0.99), pct(r.abortTimes, 1), r.notCompleted)
+	} else {
+		t.Logf("  %d fences (%d not safe, %d returned without the prefill's FENCE_ACK), call to return p50 %v p99 %v max %v; %d requests not given up did not complete",
+			r.fences, r.fenceNotSafe, r.fenceUnacked, pct(r.fenceTimes, 0.5), pct(r.fenceTimes, 0.99), pct(r.fenceTimes, 1), r.notCompleted)
+		t.Logf("  decode: fence epoch %d, safe %d not safe %d, FENCE_ACKs %d (unmatched %d), accesses refused as fenced at admission %d; prefill: tasks fenced %d, their bytes not landed %d KiB, FENCE notices received %d",
+			st.FenceEpoch, st.FencesSafe, st.FencesNotSafe, st.FenceAcks, st.FenceAcksUnmatched, st.FenceRefused,
+			r.prefill["tasks_fenced"], r.prefill["bytes_fenced"]>>10, r.prefill["fences_received"])
+	}
 	t.Logf("  decode: refused %d (in flight %d), ABORT_ACKs %d (unmatched %d), resends %d, tombstones %d, request states %d",
 		st.OwnerRefused, st.RefusedInFlight, st.AbortAcks, st.AcksUnmatched, st.AbortResends, st.Tombstones, st.RequestStates)
 	t.Logf("  decode events %v (dropped %d); prefill: %v", r.decodeEvents, st.EventsDropped, r.prefill)
