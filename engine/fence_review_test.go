@@ -137,3 +137,63 @@ func TestFenceReviewRDMAFencesOfOtherPagesDoNotFailATransfer(t *testing.T) {
 	}
 	requireEqual(t, "unfenced pages", dst, src)
 }
+
+// A peer that fetched the owner's descriptor once is a "planner" for good
+// (only the 4097th planner evicts the oldest), and every later Fence tells
+// it and waits the whole FenceGrace for its FENCE_ACK, even after it closed
+// and no connection to it is left (SendIfConnected drops the notice, but
+// the name stays in the set Fence waits on). So one initiator that came and
+// went (a restarted prefill worker, a health probe, kvferry-bench) costs
+// every Fence the owner makes from then on FenceGrace (50 ms by default): a
+// decode server fencing each finished request's pages is held to 20 fences
+// a second. The options document "a paused or partitioned peer costs a
+// Fence this long"; a peer that is gone for good should not. The grace is
+// 3 s here so the cost is unmistakable.
+func TestFenceReviewAPlannerThatLeftDoesNotCostEveryFenceTheGrace(t *testing.T) {
+	owner := newEngineWith(t, engine.Options{FenceGrace: 3 * time.Second})
+	dst := alloc(t, owner, 1<<20)
+	gone, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := gone.OpenSegment(testCtx(t, 10*time.Second), owner.Name()); err != nil {
+		t.Fatal(err)
+	}
+	if err := gone.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 3; i++ {
+		start := time.Now()
+		res, err := owner.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(dst), Len: 4096}})
+		took := time.Since(start)
+		if err != nil || !res.Safe {
+			t.Fatalf("fence = %+v, %v; want Safe", res, err)
+		}
+		t.Logf("fence %d took %v; told %v, acked %v", i+1, took, res.Told, res.Acked)
+		if took >= time.Second {
+			t.Fatalf("fence %d took %v: it waited the FenceGrace for the FENCE_ACK of %v, a peer that closed before the first fence", i+1, took, res.Told)
+		}
+	}
+}
+
+// engine.MaxFenceRanges says one Fence takes up to 2^19 ranges (it is
+// control.MaxFenceRanges, what a FENCE notice can carry), and Fence checks
+// against it, but the owner's table refuses more than fence.MaxRanges,
+// 2^16: a Fence of 65,537 valid, registered, disjoint ranges fails with
+// ErrInvalidArg although the documented cap allows it.
+func TestFenceReviewFenceTakesMaxFenceRanges(t *testing.T) {
+	const n = 1<<16 + 1
+	e := newEngine(t)
+	buf := alloc(t, e, 2*n)
+	if n > engine.MaxFenceRanges {
+		t.Skipf("MaxFenceRanges is %d", engine.MaxFenceRanges)
+	}
+	rs := make([]engine.FenceRange, n)
+	for i := range rs {
+		rs[i] = engine.FenceRange{Addr: engine.AddrOf(buf) + uint64(2*i), Len: 1}
+	}
+	res, err := e.Fence(testCtx(t, 20*time.Second), rs)
+	if err != nil || !res.Safe {
+		t.Fatalf("Fence of %d ranges (MaxFenceRanges %d) = %+v, %v; want Safe", n, engine.MaxFenceRanges, res, err)
+	}
+}
