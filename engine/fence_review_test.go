@@ -197,3 +197,36 @@ func TestFenceReviewFenceTakesMaxFenceRanges(t *testing.T) {
 		t.Fatalf("Fence of %d ranges (MaxFenceRanges %d) = %+v, %v; want Safe", n, engine.MaxFenceRanges, res, err)
 	}
 }
+
+// Fence checks only the owner side of a transfer: the remote range of
+// accesses it admits. A transfer of this engine's own whose LOCAL buffer
+// lies in the fenced ranges is not stopped: a READ lands in them, a WRITE
+// reads from them, after Fence returned Safe. Here the engine reads, over
+// its own segment (the local transport, whose owner code copies every
+// byte), from one of its ranges into another, fences the landing range
+// mid-READ and reuses it: the READ's later chunks overwrite the reused
+// pages. Promise 7 says no transfer planned before the call "can write into
+// or read from any byte of those ranges any more", whoever the initiator;
+// the same hole is there for an rdma or tcp READ this engine pulls from a
+// peer into pages it then fences (vLLM's NIXL-style pull, where decode
+// READs KV into its own pages).
+func TestFenceReviewFenceStopsTheEnginesOwnTransfersIntoTheRanges(t *testing.T) {
+	const size = 16 << 20
+	e := newEngineWith(t, engine.Options{Testing: engine.Testing{LocalChunkDelay: 8 * time.Millisecond}})
+	from, into := alloc(t, e, size), alloc(t, e, size)
+	self := openSegment(t, e, e.Name())
+	fillByte(from, oldByte)
+	rd := submit(t, e, read(into, self, engine.AddrOf(from), size))
+	waitFor(t, 10*time.Second, "first bytes read", func() bool { return bytes.IndexByte(into, oldByte) >= 0 })
+	res, err := e.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(into), Len: size}})
+	if err != nil || !res.Safe {
+		t.Fatalf("fence = %+v, %v; want Safe", res, err)
+	}
+	fillByte(into, reusedByte)
+	got := waitBatch(t, rd, 60*time.Second)[0]
+	n := bytes.Count(into, []byte{oldByte})
+	t.Logf("READ %v after %d bytes (%v); %d bytes of it in the reused pages", got.Status, got.Transferred, got.Err, n)
+	if n != 0 {
+		t.Fatalf("%d bytes of a READ planned before the fence landed in the fenced pages after Fence returned Safe", n)
+	}
+}
