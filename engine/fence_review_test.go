@@ -6,7 +6,9 @@ package engine_test
 
 import (
 	"bytes"
+	"context"
 	"errors"
+	"runtime"
 	"testing"
 	"time"
 
@@ -228,5 +230,36 @@ func TestFenceReviewFenceStopsTheEnginesOwnTransfersIntoTheRanges(t *testing.T) 
 	t.Logf("READ %v after %d bytes (%v); %d bytes of it in the reused pages", got.Status, got.Transferred, got.Err, n)
 	if n != 0 {
 		t.Fatalf("%d bytes of a READ planned before the fence landed in the fenced pages after Fence returned Safe", n)
+	}
+}
+
+// The same departed planner also costs memory: each Fence that it does
+// not acknowledge leaves a goroutine resending FENCE to it (with the
+// notice's body, up to 1 MiB for 2^16 ranges, and a timer) until the
+// Fence's deadline, DefaultTimeout (30 s) for a context without one. An
+// owner fencing 1,000 times a second with a short FenceGrace keeps 30,000
+// of them. 200 fences here, a grace of 1 ms, and a planner that closed
+// before the first.
+func TestFenceReviewFencesToAPlannerThatLeftDoNotPileUp(t *testing.T) {
+	owner := newEngineWith(t, engine.Options{FenceGrace: time.Millisecond})
+	dst := alloc(t, owner, 1<<20)
+	gone, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := gone.OpenSegment(testCtx(t, 10*time.Second), owner.Name()); err != nil {
+		t.Fatal(err)
+	}
+	if err := gone.Close(); err != nil {
+		t.Fatal(err)
+	}
+	before := runtime.NumGoroutine()
+	for i := 0; i < 200; i++ {
+		if res, err := owner.Fence(context.Background(), []engine.FenceRange{{Addr: engine.AddrOf(dst), Len: 4096}}); err != nil || !res.Safe {
+			t.Fatalf("fence %d = %+v, %v", i+1, res, err)
+		}
+	}
+	if grew := runtime.NumGoroutine() - before; grew > 50 {
+		t.Fatalf("%d goroutines more after 200 fences: each keeps resending FENCE to a planner that left, until the fence's deadline", grew)
 	}
 }
