@@ -1,0 +1,265 @@
+package engine_test
+
+// A hostile review of the fence by memory range (SAFETY.md promise 7). Each
+// test fails on the code it was written against, for the reason its comment
+// gives, and passes once that is fixed.
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"runtime"
+	"testing"
+	"time"
+
+	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/engine/control"
+)
+
+// The owner takes an access's fence epoch on the initiator's word and lets
+// any stamp at or above its own epoch through, including a stamp it never
+// issued. An initiator's known epoch for an owner only ever rises (Learn,
+// Apply), and is reset only when the owner's tcp address changes, so once
+// it is above the owner's, every transfer the initiator plans to that owner
+// passes every fence the owner makes until the owner's epoch catches up:
+// "planned before" is no longer decided by what the owner issued.
+//
+// Here a peer on the control network claims the owner's name (the plane
+// takes the ZMTP identity as given, as it does for ABORT) and sends the
+// initiator a well-formed FENCE of epoch 2^64-1 for one byte the owner does
+// not even have. The initiator's next WRITE, planned well before the
+// owner's real Fence, is stamped 2^64-1; the owner fences the pages, Fence
+// reports Safe, the owner reuses them, and the old WRITE goes on landing.
+// (The same stamp from the future arises without a hostile peer when an
+// owner restarts and its descriptor keeps the tcp address, or when a late
+// FENCE of the old incarnation is handled after the segment's Reset.)
+func TestFenceReviewStampAboveTheOwnersEpochPassesItsFence(t *testing.T) {
+	const size = 16 << 20
+	r := newFenceRig(t, "tcp", false, size)
+	spoof := newFakeInitiator(t, r.init.Name(), r.owner.Name())
+	spoof.send(t, control.MsgFence, 0, control.FenceMsg{Epoch: ^uint64(0), Ranges: []control.FenceRange{{Addr: 1, Len: 1}}}.Encode())
+	waitFor(t, 10*time.Second, "the forged FENCE handled", func() bool { return r.init.Stats().FencesReceived == 1 })
+
+	fillByte(r.src, oldByte)
+	old := submit(t, r.init, write(r.src, r.seg, engine.AddrOf(r.dst), size))
+	waitFor(t, 10*time.Second, "first bytes landed", func() bool { return bytes.IndexByte(r.dst, oldByte) >= 0 })
+	res, err := r.owner.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(r.dst), Len: size}})
+	if err != nil || !res.Safe {
+		t.Fatalf("fence = %+v, %v; want Safe", res, err)
+	}
+	fillByte(r.dst, reusedByte)
+	got := waitBatch(t, old, 60*time.Second)[0]
+	corrupt := bytes.Count(r.dst, []byte{oldByte})
+	t.Logf("owner epoch %d; old WRITE %v after %d bytes (%v); %d of its bytes in the reused pages", res.Epoch, got.Status, got.Transferred, got.Err, corrupt)
+	if corrupt != 0 {
+		t.Fatalf("%d bytes of a WRITE planned before the fence landed after Fence returned Safe: the owner passed a stamp (2^64-1) it never issued", corrupt)
+	}
+	if got.Status == engine.Completed {
+		t.Errorf("the WRITE planned before the fence completed: %+v", got)
+	}
+}
+
+var _ = errors.Is
+
+// The normal flow breaks for an initiator that finds segments through a
+// Resolver other than the default (a cluster store, which the Resolver
+// interface exists for): the owner tells FENCE only to "planners", the
+// peers that sent it GET_DESCRIPTOR, so such an initiator is never told.
+// Its next request's WRITE into the fenced pages, planned after Fence
+// returned (the owner told it of the pages only then), is stamped with the
+// epoch of the descriptor it fetched before the fence and is refused as
+// fenced: the task FAILS. Promise 7: "in the normal flow ... the next
+// request's transfers never fail because of the fence". The resolver here
+// is the most generous store there is (it hands out the owner's current
+// descriptor); one that is not republished after every fence makes the
+// fenced pages unwritable for the initiator for good, refresh or not.
+func TestFenceReviewNextRequestPassesForAnInitiatorWithACustomResolver(t *testing.T) {
+	const size = 1 << 20
+	owner := newEngineWith(t, engine.Options{})
+	init := newEngineWith(t, engine.Options{Resolver: aliasResolver{owner.Name(), owner}})
+	dst, src := alloc(t, owner, size), alloc(t, init, size)
+	seg := openSegment(t, init, owner.Name())
+	fillByte(src, oldByte)
+	transfer(t, init, 30*time.Second, write(src, seg, engine.AddrOf(dst), size)) // the first request
+
+	res, err := owner.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(dst), Len: size}})
+	if err != nil || !res.Safe {
+		t.Fatalf("fence = %+v, %v; want Safe", res, err)
+	}
+	// Fence returned: the owner hands the pages to the next request and
+	// tells the writer.
+	fillPattern(src, 11)
+	got, err := init.Transfer(testCtx(t, 30*time.Second), []engine.Request{write(src, seg, engine.AddrOf(dst), size)})
+	t.Logf("fence told %v, acked %v; next request's WRITE: %+v, %v", res.Told, res.Acked, got, err)
+	if err != nil || got[0].Status != engine.Completed {
+		t.Fatalf("the next request's WRITE, planned after Fence returned, failed (%v): an initiator that resolves segments through its own Resolver is never told of fences", err)
+	}
+	requireEqual(t, "the next request's pages", dst, src)
+}
+
+// Over rdma, a fence of one range fails transfers into other ranges. Each
+// FENCE an rdma initiator hears aborts every path of its segment to the
+// owner (handleFence: seg.cutPaths), which fails the slices on them with
+// a connection error; the engine posts them again, but that spends one of
+// the slice's MaxRetries (2 by default) each time. So a transfer into
+// pages no fence names, planned after the first fence, fails once three
+// fences of other pages strike during one of its slices: a decode server
+// that fences each finished request's pages fails the transfers of the
+// requests still running. (The owner's own cut of the QPs needs none of
+// this: the path's pairs reconnect and repost for up to 30 s without
+// spending a retry.) TestFenceLeavesOtherRangesAlone states the property
+// for tcp only.
+func TestFenceReviewRDMAFencesOfOtherPagesDoNotFailATransfer(t *testing.T) {
+	const size = 16 << 20
+	owner := newEngineWith(t, rdmaOpts(t, engine.Options{}))
+	init := newEngineWith(t, rdmaOpts(t, engine.Options{}))
+	fenced := alloc(t, owner, 1<<20)
+	dst, src := alloc(t, owner, size), alloc(t, init, size)
+	seg := openSegment(t, init, owner.Name())
+	fillPattern(src, 5)
+	fakeControl(t, "delay dev=fake0 us=3000;delay dev=fake1 us=3000")
+	b := submit(t, init, write(src, seg, engine.AddrOf(dst), size))
+	waitFor(t, 10*time.Second, "first bytes landed", func() bool { return !bytes.Equal(dst[:4096], make([]byte, 4096)) })
+	fences := 0
+	for ; fences < 5 && !b.Results()[0].Status.Final(); fences++ {
+		// Each fence strikes once the initiator is connected again.
+		waitFor(t, 10*time.Second, "initiator connected", func() bool {
+			return owner.Stats().RDMAResponderQPs > 0 || b.Results()[0].Status.Final()
+		})
+		res, err := owner.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(fenced), Len: 1 << 20}})
+		if err != nil || !res.Safe {
+			t.Fatalf("fence %d = %+v, %v; want Safe", fences+1, res, err)
+		}
+		waitFor(t, 10*time.Second, "the FENCE handled", func() bool { return init.Stats().FencesReceived == uint64(fences+1) })
+	}
+	got := waitBatch(t, b, 60*time.Second)[0]
+	t.Logf("%d fences of other pages; the WRITE ended %v after %d bytes (%v); initiator retries %d", fences, got.Status, got.Transferred, got.Err, init.Stats().Retries)
+	if got.Status != engine.Completed {
+		t.Fatalf("a WRITE into pages no fence named ended %v after %d fences of other pages: %v", got.Status, fences, got.Err)
+	}
+	requireEqual(t, "unfenced pages", dst, src)
+}
+
+// A peer that fetched the owner's descriptor once is a "planner" for good
+// (only the 4097th planner evicts the oldest), and every later Fence tells
+// it and waits the whole FenceGrace for its FENCE_ACK, even after it closed
+// and no connection to it is left (SendIfConnected drops the notice, but
+// the name stays in the set Fence waits on). So one initiator that came and
+// went (a restarted prefill worker, a health probe, kvferry-bench) costs
+// every Fence the owner makes from then on FenceGrace (50 ms by default): a
+// decode server fencing each finished request's pages is held to 20 fences
+// a second. The options document "a paused or partitioned peer costs a
+// Fence this long"; a peer that is gone for good should not. The grace is
+// 3 s here so the cost is unmistakable.
+func TestFenceReviewAPlannerThatLeftDoesNotCostEveryFenceTheGrace(t *testing.T) {
+	owner := newEngineWith(t, engine.Options{FenceGrace: 3 * time.Second})
+	dst := alloc(t, owner, 1<<20)
+	gone, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := gone.OpenSegment(testCtx(t, 10*time.Second), owner.Name()); err != nil {
+		t.Fatal(err)
+	}
+	if err := gone.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 3; i++ {
+		start := time.Now()
+		res, err := owner.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(dst), Len: 4096}})
+		took := time.Since(start)
+		if err != nil || !res.Safe {
+			t.Fatalf("fence = %+v, %v; want Safe", res, err)
+		}
+		t.Logf("fence %d took %v; told %v, acked %v", i+1, took, res.Told, res.Acked)
+		if took >= time.Second {
+			t.Fatalf("fence %d took %v: it waited the FenceGrace for the FENCE_ACK of %v, a peer that closed before the first fence", i+1, took, res.Told)
+		}
+	}
+}
+
+// engine.MaxFenceRanges says one Fence takes up to 2^19 ranges (it is
+// control.MaxFenceRanges, what a FENCE notice can carry), and Fence checks
+// against it, but the owner's table refuses more than fence.MaxRanges,
+// 2^16: a Fence of 65,537 valid, registered, disjoint ranges fails with
+// ErrInvalidArg although the documented cap allows it.
+func TestFenceReviewFenceTakesMaxFenceRanges(t *testing.T) {
+	const n = 1<<16 + 1
+	e := newEngine(t)
+	buf := alloc(t, e, 2*n)
+	if n > engine.MaxFenceRanges {
+		t.Skipf("MaxFenceRanges is %d", engine.MaxFenceRanges)
+	}
+	rs := make([]engine.FenceRange, n)
+	for i := range rs {
+		rs[i] = engine.FenceRange{Addr: engine.AddrOf(buf) + uint64(2*i), Len: 1}
+	}
+	res, err := e.Fence(testCtx(t, 20*time.Second), rs)
+	if err != nil || !res.Safe {
+		t.Fatalf("Fence of %d ranges (MaxFenceRanges %d) = %+v, %v; want Safe", n, engine.MaxFenceRanges, res, err)
+	}
+}
+
+// Fence checks only the owner side of a transfer: the remote range of
+// accesses it admits. A transfer of this engine's own whose LOCAL buffer
+// lies in the fenced ranges is not stopped: a READ lands in them, a WRITE
+// reads from them, after Fence returned Safe. Here the engine reads, over
+// its own segment (the local transport, whose owner code copies every
+// byte), from one of its ranges into another, fences the landing range
+// mid-READ and reuses it: the READ's later chunks overwrite the reused
+// pages. Promise 7 says no transfer planned before the call "can write into
+// or read from any byte of those ranges any more", whoever the initiator;
+// the same hole is there for an rdma or tcp READ this engine pulls from a
+// peer into pages it then fences (vLLM's NIXL-style pull, where decode
+// READs KV into its own pages).
+func TestFenceReviewFenceStopsTheEnginesOwnTransfersIntoTheRanges(t *testing.T) {
+	const size = 16 << 20
+	e := newEngineWith(t, engine.Options{Testing: engine.Testing{LocalChunkDelay: 8 * time.Millisecond}})
+	from, into := alloc(t, e, size), alloc(t, e, size)
+	self := openSegment(t, e, e.Name())
+	fillByte(from, oldByte)
+	rd := submit(t, e, read(into, self, engine.AddrOf(from), size))
+	waitFor(t, 10*time.Second, "first bytes read", func() bool { return bytes.IndexByte(into, oldByte) >= 0 })
+	res, err := e.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(into), Len: size}})
+	if err != nil || !res.Safe {
+		t.Fatalf("fence = %+v, %v; want Safe", res, err)
+	}
+	fillByte(into, reusedByte)
+	got := waitBatch(t, rd, 60*time.Second)[0]
+	n := bytes.Count(into, []byte{oldByte})
+	t.Logf("READ %v after %d bytes (%v); %d bytes of it in the reused pages", got.Status, got.Transferred, got.Err, n)
+	if n != 0 {
+		t.Fatalf("%d bytes of a READ planned before the fence landed in the fenced pages after Fence returned Safe", n)
+	}
+}
+
+// The same departed planner also costs memory: each Fence that it does
+// not acknowledge leaves a goroutine resending FENCE to it (with the
+// notice's body, up to 1 MiB for 2^16 ranges, and a timer) until the
+// Fence's deadline, DefaultTimeout (30 s) for a context without one. An
+// owner fencing 1,000 times a second with a short FenceGrace keeps 30,000
+// of them. 200 fences here, a grace of 1 ms, and a planner that closed
+// before the first.
+func TestFenceReviewFencesToAPlannerThatLeftDoNotPileUp(t *testing.T) {
+	owner := newEngineWith(t, engine.Options{FenceGrace: time.Millisecond})
+	dst := alloc(t, owner, 1<<20)
+	gone, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := gone.OpenSegment(testCtx(t, 10*time.Second), owner.Name()); err != nil {
+		t.Fatal(err)
+	}
+	if err := gone.Close(); err != nil {
+		t.Fatal(err)
+	}
+	before := runtime.NumGoroutine()
+	for i := 0; i < 200; i++ {
+		if res, err := owner.Fence(context.Background(), []engine.FenceRange{{Addr: engine.AddrOf(dst), Len: 4096}}); err != nil || !res.Safe {
+			t.Fatalf("fence %d = %+v, %v", i+1, res, err)
+		}
+	}
+	if grew := runtime.NumGoroutine() - before; grew > 50 {
+		t.Fatalf("%d goroutines more after 200 fences: each keeps resending FENCE to a planner that left, until the fence's deadline", grew)
+	}
+}
