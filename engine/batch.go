@@ -577,8 +577,13 @@ func (t *task) finish() {
 		st = Failed
 		if errors.Is(t.err, ErrRefused) && (errors.Is(t.err, ErrStaleKey) || errors.Is(t.err, ErrFenced)) {
 			// Refresh before the next plan: new keys, or the owner's
-			// fence epoch when its notice did not reach us.
+			// fence epoch when its notice did not reach us (and ask the
+			// owner itself, for a descriptor from a Resolver's store may
+			// be older than the fence).
 			t.req.Segment.stale.Store(true)
+			if errors.Is(t.err, ErrFenced) {
+				t.req.Segment.askFenceEpoch()
+			}
 		}
 		t.err = fmt.Errorf("%s of [%#x, +%d) at %s: %w: %w", t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, ErrTransferFailed, t.err)
 	}

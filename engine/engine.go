@@ -15,6 +15,7 @@ package engine
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -223,7 +224,7 @@ func New(opts Options) (*Engine, error) {
 		e.resolver = p2pResolver{e.plane}
 	}
 	plane.Handle(control.MsgGetDescriptor, e.handleGetDescriptor)
-	plane.Handle(control.MsgPing, func(string, []byte) (control.MsgType, []byte) { return control.MsgPong, nil })
+	plane.Handle(control.MsgPing, e.handlePing)
 	plane.Handle(control.MsgAbort, e.handleAbort)
 	plane.Handle(control.MsgAbortAck, e.handleAbortAck)
 	plane.Handle(control.MsgNotify, e.handleNotify)
@@ -268,6 +269,15 @@ func (e *Engine) Descriptor() *control.Descriptor {
 		d.Buffers[i] = control.Buffer{Addr: r.Addr, Len: r.Len, Key: uint64(r.Key), Location: r.Location}
 	}
 	return &d
+}
+
+// handlePing answers a heartbeat with our fence epoch: a peer that pings
+// us opened our segment and may plan transfers to us, so it is told of
+// fences from now on, and learns our epoch even when it finds segments
+// through a Resolver of its own (it never fetches our descriptor then).
+func (e *Engine) handlePing(from string, _ []byte) (control.MsgType, []byte) {
+	e.notePlanner(from) // before the epoch is read, as for a descriptor
+	return control.MsgPong, binary.LittleEndian.AppendUint64(nil, e.fences.Epoch())
 }
 
 func (e *Engine) handleGetDescriptor(from string, _ []byte) (control.MsgType, []byte) {
@@ -515,8 +525,11 @@ func (e *Engine) heartbeats() {
 						return
 					}
 				}
-				_, _, err := e.plane.Request(ctx, s.name, control.MsgPing, nil)
+				typ, body, err := e.plane.Request(ctx, s.name, control.MsgPing, nil)
 				s.heartbeat(err)
+				if err == nil && typ == control.MsgPong {
+					s.learnFenceEpoch(body)
+				}
 			}()
 		}
 		wg.Wait()

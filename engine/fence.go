@@ -97,11 +97,9 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 		}
 		rs[i] = r
 	}
-	deadline, ok := ctx.Deadline()
-	if !ok {
-		deadline = time.Now().Add(e.opts.DefaultTimeout)
+	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithDeadline(ctx, deadline)
+		ctx, cancel = context.WithTimeout(ctx, e.opts.DefaultTimeout)
 		defer cancel()
 	}
 	if e.opts.Testing.UnsafeFence {
@@ -156,16 +154,22 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 		e.pendMu.Lock()
 		e.pendFences[ep] = pf
 		e.pendMu.Unlock()
+		// Sent once, on a connection that exists: it is delivered unless
+		// the connection breaks, and a planner that missed it learns the
+		// epoch from the refusal of its first stale transfer. Resending
+		// would keep a goroutine per fence for a paused planner.
 		for _, n := range names {
 			_ = e.plane.SendIfConnected(n, control.MsgFence, msg)
 		}
-		if e.startBackground() {
-			go e.resendFence(pf, msg, deadline)
-		} else {
-			e.forgetFence(pf)
-		}
+		defer e.forgetFence(pf)
 	}
 
+	// This engine's own transfers whose local memory lies in the ranges
+	// (a READ landing in them, a WRITE reading from them) were planned
+	// before too: they are canceled, and waited for.
+	if err := e.cancelOwnTasks(ctx, e.fences.Ranges(ep)); err != nil && reason == nil {
+		reason = err
+	}
 	if inProgress != nil && reason == nil {
 		select {
 		case <-inProgress:
@@ -194,6 +198,62 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 	res.Safe = true
 	e.stats.fencesSafe.Add(1)
 	return res, nil
+}
+
+// cancelOwnTasks cancels this engine's transfers in flight whose local
+// memory meets the (normalized) ranges, as Batch.Cancel does, and returns
+// once they no longer touch it, or an error wrapping ErrMemoryInUse by
+// ctx's deadline.
+func (e *Engine) cancelOwnTasks(ctx context.Context, ranges []fence.Range) error {
+	e.liveMu.Lock()
+	batches := make([]*Batch, 0, len(e.live))
+	for b := range e.live {
+		batches = append(batches, b)
+	}
+	e.liveMu.Unlock()
+	var tasks []*task
+	for _, b := range batches {
+		b.mu.Lock()
+		hit := false
+		for _, t := range b.tasks {
+			if !TaskStatus(t.status.Load()).Final() && fence.Overlaps(ranges, t.req.Local, t.req.Length) {
+				tasks = append(tasks, t)
+				hit = true
+			}
+		}
+		if hit {
+			// As Batch.Cancel: a Free from now on keeps its records out
+			// of the pool, so these never point at reused ones.
+			b.tainted.Store(true)
+		}
+		b.mu.Unlock()
+	}
+	if len(tasks) == 0 {
+		return nil
+	}
+	cut := map[*pathRef][]*transport.Slice{}
+	for _, t := range tasks {
+		t.cancel(Canceled, cut)
+	}
+	var wg sync.WaitGroup
+	for ref, ss := range cut {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if c, ok := ref.ep.(transport.SliceCanceler); ok {
+				_ = c.Cancel(ctx, ss) // waitFinal below says whether it worked
+				return
+			}
+			ref.ep.Abort(fmt.Errorf("%w: this engine fenced their memory", transport.ErrCanceled))
+		}()
+	}
+	wg.Wait()
+	deadline, _ := ctx.Deadline()
+	if !e.waitFinal(tasks, deadline) {
+		return fmt.Errorf("%w: %d of this engine's own transfers into the ranges still in flight at the deadline", ErrMemoryInUse, len(tasks))
+	}
+	e.tellCanceled(tasks)
+	return nil
 }
 
 // registeredSpan checks that [addr, addr+n) lies in registered memory,
@@ -261,41 +321,6 @@ func (e *Engine) plannerNames(extra []string) []string {
 	return names
 }
 
-// resendFence resends FENCE to the planners that have not acknowledged,
-// with the abort's backoff, until all have, the deadline passes or the
-// engine closes. It never opens a connection: a planner is a name a peer
-// claimed.
-func (e *Engine) resendFence(pf *pendingFence, msg []byte, deadline time.Time) {
-	defer e.bg.Done()
-	defer e.forgetFence(pf)
-	interval := abortResendFirst
-	timer := time.NewTimer(interval)
-	defer timer.Stop()
-	for {
-		select {
-		case <-pf.done:
-			return
-		case <-e.closed:
-			return
-		case <-timer.C:
-		}
-		if !time.Now().Before(deadline) {
-			return
-		}
-		pf.mu.Lock()
-		names := make([]string, 0, len(pf.wait))
-		for n := range pf.wait {
-			names = append(names, n)
-		}
-		pf.mu.Unlock()
-		for _, n := range names {
-			_ = e.plane.SendIfConnected(n, control.MsgFence, msg)
-		}
-		interval = min(2*interval, abortResendMax)
-		timer.Reset(min(interval, time.Until(deadline)+time.Millisecond))
-	}
-}
-
 func (e *Engine) forgetFence(pf *pendingFence) {
 	e.pendMu.Lock()
 	delete(e.pendFences, pf.epoch)
@@ -358,14 +383,15 @@ func (e *Engine) handleFence(from string, body []byte) (control.MsgType, []byte)
 	for i, r := range m.Ranges {
 		rs[i] = fence.Range{Addr: r.Addr, Len: r.Len}
 	}
-	notice := []fence.Fenced{{Epoch: m.Epoch, Ranges: rs}}
+	// Sorted here, not under abortMu, which every Submit takes.
+	notice := []fence.Fenced{{Epoch: m.Epoch, Ranges: fence.Normalize(rs)}}
 	var rdmaSegs []*Segment
 	// Exclusive: a Submit stamps its tasks under abortMu shared, so each
 	// is stamped either before the fence (and void where it touches the
 	// ranges) or with its epoch.
 	e.abortMu.Lock()
 	for _, seg := range segs {
-		if seg.fences.Apply(m.Floor, notice) && seg.protocol() == "rdma" {
+		if seg.fences.ApplyNormalized(m.Floor, notice) && seg.protocol() == "rdma" {
 			rdmaSegs = append(rdmaSegs, seg)
 		}
 	}

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -91,6 +92,37 @@ type Segment struct {
 	// (see task.recheck). It starts afresh with each incarnation of the
 	// owner.
 	fences fence.Known
+	asking atomic.Bool // an askFenceEpoch runs
+}
+
+// learnFenceEpoch takes the owner's fence epoch from a PONG body (8 bytes;
+// an older engine sends none).
+func (s *Segment) learnFenceEpoch(body []byte) {
+	if len(body) == 8 {
+		s.fences.Learn(binary.LittleEndian.Uint64(body))
+	}
+}
+
+// askFenceEpoch pings the owner once, in the background, to learn its
+// fence epoch: a transfer of ours was refused as planned before a fence we
+// were not told of. At most one ask runs per segment.
+func (s *Segment) askFenceEpoch() {
+	if s.self || !s.asking.CompareAndSwap(false, true) {
+		return
+	}
+	if !s.e.startBackground() {
+		s.asking.Store(false)
+		return
+	}
+	go func() {
+		defer s.e.bg.Done()
+		defer s.asking.Store(false)
+		ctx, cancel := context.WithTimeout(s.e.closeCtx, 5*time.Second)
+		defer cancel()
+		if typ, body, err := s.e.plane.Request(ctx, s.name, control.MsgPing, nil); err == nil && typ == control.MsgPong {
+			s.learnFenceEpoch(body)
+		}
+	}()
 }
 
 // protocol returns the transport chosen at the last descriptor fetch.
@@ -160,6 +192,18 @@ func (e *Engine) OpenSegment(ctx context.Context, name string) (*Segment, error)
 			e.plane.Forget(name) // no socket lingers, reconnecting, for a name that failed
 		}
 		return nil, fmt.Errorf("open segment %q: %w", name, err)
+	}
+	if _, p2p := e.resolver.(p2pResolver); !p2p && !s.self {
+		// The descriptor came from a Resolver of the application's, not
+		// from the owner: one ping makes the owner count us among the
+		// peers it tells of fences, and tells us its fence epoch, which
+		// a stored descriptor may lag. Best effort: the heartbeats do it
+		// again every HeartbeatInterval.
+		pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		if typ, body, err := e.plane.Request(pctx, name, control.MsgPing, nil); err == nil && typ == control.MsgPong {
+			s.learnFenceEpoch(body)
+		}
+		cancel()
 	}
 	e.segMu.Lock()
 	defer e.segMu.Unlock()

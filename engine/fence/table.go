@@ -63,6 +63,13 @@ func (e *entry) overlaps(addr, n uint64) bool {
 	return i < len(e.ranges) && e.ranges[i].overlaps(addr, n)
 }
 
+// Overlaps reports whether [addr, addr+n) meets one of ranges, which must
+// be normalized (see Normalize).
+func Overlaps(ranges []Range, addr, n uint64) bool {
+	e := entry{ranges: ranges}
+	return e.overlaps(addr, n)
+}
+
 // Normalize sorts ranges by address and merges those that overlap or
 // touch, in place; it returns the merged prefix.
 func Normalize(ranges []Range) []Range {
@@ -279,6 +286,19 @@ func (t *Table) Fence(ranges []Range) (uint64, <-chan struct{}, error) {
 	return ep, w.done, nil
 }
 
+// Ranges returns the normalized ranges of the fence of epoch ep (nil when
+// it was folded or never was). Do not change them.
+func (t *Table) Ranges(ep uint64) []Range {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i := len(t.log) - 1; i >= 0; i-- {
+		if t.log[i].epoch == ep {
+			return t.log[i].ranges
+		}
+	}
+	return nil
+}
+
 // Since returns the fences after epoch after (oldest first) and the floor,
 // for a notice to an initiator that knows the fences up to after. The
 // ranges are shared: do not change them.
@@ -337,8 +357,16 @@ func (k *Known) Reset() {
 }
 
 // Apply records fences and a floor from a notice; it reports whether any
-// of it was new.
-func (k *Known) Apply(floor uint64, fences []Fenced) bool {
+// of it was new. It sorts the ranges: use ApplyNormalized for ranges that
+// are already (see Normalize), to keep the work out of a caller's lock.
+func (k *Known) Apply(floor uint64, fences []Fenced) bool { return k.apply(floor, fences, false) }
+
+// ApplyNormalized is Apply for fences whose ranges Normalize returned.
+func (k *Known) ApplyNormalized(floor uint64, fences []Fenced) bool {
+	return k.apply(floor, fences, true)
+}
+
+func (k *Known) apply(floor uint64, fences []Fenced, normalized bool) bool {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	news := false
@@ -356,7 +384,10 @@ func (k *Known) Apply(floor uint64, fences []Fenced) bool {
 		if f.Epoch < k.floor {
 			continue
 		}
-		rs := Normalize(f.Ranges)
+		rs := f.Ranges
+		if !normalized {
+			rs = Normalize(rs)
+		}
 		if len(rs) > MaxRanges {
 			// More than an owner sends: taken as a fence of everything
 			// below its epoch.

@@ -5,12 +5,6 @@ import (
 	"testing"
 )
 
-// nopGuard is an inner guard that always lets a chunk in.
-type nopGuard struct{}
-
-func (nopGuard) Enter() error { return nil }
-func (nopGuard) Leave()       {}
-
 func TestNormalizeSortsAndMergesTouchingRanges(t *testing.T) {
 	got := Normalize([]Range{{100, 10}, {0, 10}, {10, 5}, {105, 20}, {200, 1}})
 	want := []Range{{0, 15}, {100, 25}, {200, 1}}

@@ -16,9 +16,9 @@ import (
 // about 100 ms of CPU: every Submit of the initiator, to any peer, waits
 // that long per notice, and the loop handles nothing else meanwhile
 // (ABORTs, pings). Any peer that claims an owner's name can stream such
-// notices. The notice's ranges should be checked against the owner's own
-// bound and sorted before the lock; this test holds the lock to 20 ms.
-func TestFenceReviewHandleFenceHoldsAbortMuBriefly(t *testing.T) {
+// notices. The notice's ranges are sorted before the lock; this test holds
+// the lock to 20 ms.
+func TestHandleFenceHoldsAbortMuBriefly(t *testing.T) {
 	owner, init, _, _, _ := reviewPair(t, Options{}, 0)
 	rs := make([]control.FenceRange, control.MaxFenceRanges)
 	for i := range rs {

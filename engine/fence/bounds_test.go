@@ -1,6 +1,7 @@
 package fence
 
-// Unit-level findings of a hostile review of the fence by memory range.
+// Bounds of the fence table and of what an initiator knows: stamps the
+// owner never issued, and the ranges kept.
 
 import (
 	"testing"
@@ -13,10 +14,10 @@ import (
 // catches up with it. "Planned before" must be decided by what the owner
 // issued: a stamp above the owner's epoch is not one of them and must be
 // refused (the initiator then refreshes and starts over from the owner's
-// real epoch). See TestFenceReviewStampAboveTheOwnersEpochPassesItsFence
+// real epoch). See TestFenceRefusesAStampTheOwnerNeverIssued
 // for the corruption it causes end to end.
-func TestReviewCheckRefusesAStampTheOwnerNeverIssued(t *testing.T) {
-	tb := New()
+func TestCheckRefusesAStampTheOwnerNeverIssued(t *testing.T) {
+	tb := New(0)
 	r := Range{Addr: 0x10000, Len: 0x1000}
 	ep, _, err := tb.Fence([]Range{r})
 	if err != nil {
@@ -47,15 +48,13 @@ func (nopGuard) Leave()       {}
 // control plane takes a peer's claimed name as given) makes every
 // initiator that has that owner's segment open keep up to 4096 x 2^19 x 16
 // bytes = 32 GiB, and an honest owner fencing 2^16 ranges at a time makes
-// each of them keep 4 GiB. This test holds Known to a budget of 2^20
-// ranges (16 MiB) in all, far above what the tests and the PD flows need;
-// the fix may pick another bound, folding into the floor past it as for
-// entries.
-func TestReviewKnownBoundsTheRangesItKeeps(t *testing.T) {
+// each of them keep 4 GiB. This test holds Known to MaxTotalRanges (2^21
+// ranges, 32 MiB) in all, folding into the floor past it as for entries.
+func TestKnownBoundsTheRangesItKeeps(t *testing.T) {
 	const perNotice = 1 << 19 // control.MaxFenceRanges
-	const budget = 1 << 20
+	const budget = MaxTotalRanges
 	var k Known
-	for ep := uint64(1); ep <= 4; ep++ {
+	for ep := uint64(1); ep <= 6; ep++ {
 		rs := make([]Range, perNotice)
 		for i := range rs {
 			rs[i] = Range{Addr: uint64(i) * 4096, Len: 1} // disjoint: Normalize keeps them all
@@ -69,6 +68,6 @@ func TestReviewKnownBoundsTheRangesItKeeps(t *testing.T) {
 	}
 	k.mu.Unlock()
 	if kept > budget {
-		t.Fatalf("Known keeps %d ranges (%d MiB) after 4 notices; at MaxEntries notices it would keep %d GiB", kept, kept*16>>20, MaxEntries*perNotice*16>>30)
+		t.Fatalf("Known keeps %d ranges (%d MiB) after 6 notices; at MaxEntries notices it would keep %d GiB", kept, kept*16>>20, MaxEntries*perNotice*16>>30)
 	}
 }
