@@ -9,15 +9,12 @@ import (
 )
 
 // handleFence runs on the control plane's loop (its handlers must not
-// block) and takes abortMu exclusively, which every Submit takes shared,
-// around Known.Apply, which sorts and merges the notice's ranges. A FENCE
-// may carry control.MaxFenceRanges = 2^19 ranges (8 times what an owner
-// ever issues in one fence, fence.MaxRanges), and sorting that many takes
-// about 100 ms of CPU: every Submit of the initiator, to any peer, waits
-// that long per notice, and the loop handles nothing else meanwhile
-// (ABORTs, pings). Any peer that claims an owner's name can stream such
-// notices. The notice's ranges are sorted before the lock; this test holds
-// the lock to 20 ms.
+// block) and takes abortMu exclusively, which every Submit takes shared. A
+// FENCE may carry control.MaxFenceRanges = 2^19 ranges, and sorting that
+// many takes about 100 ms of CPU: were it done under abortMu, every Submit
+// of the initiator, to any peer, would wait that long per notice, and any
+// peer that claims an owner's name can send such notices. The ranges are
+// sorted before the lock; this test holds the lock to 20 ms.
 func TestHandleFenceHoldsAbortMuBriefly(t *testing.T) {
 	owner, init, _, _, _ := reviewPair(t, Options{}, 0)
 	rs := make([]control.FenceRange, control.MaxFenceRanges)
