@@ -130,6 +130,7 @@ type Engine struct {
 	planMu     sync.Mutex
 	planners   map[string]time.Time
 	pendFences map[uint64]*pendingFence
+	fenceOrder []uint64 // pendFences' epochs, oldest first
 
 	gpu gpu // the CUDA driver, opened on first use of GPU memory
 

@@ -41,8 +41,8 @@ type FenceResult struct {
 	// that acknowledged it within FenceGrace: their next transfers are
 	// planned under the new epoch. A peer that did not acknowledge in
 	// time (paused, partitioned, gone) is fenced all the same; it learns
-	// the epoch from the notice, resent until the deadline, or from the
-	// refusal of its first stale transfer.
+	// the epoch from the notice queued on its connection, its next
+	// heartbeat's answer, or the refusal of its first stale transfer.
 	Told, Acked []string
 	// Cut lists the rdma initiators whose responder QPs were moved to the
 	// error state (their work in flight is posted again on new QPs).
@@ -143,6 +143,7 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 		}
 	}
 	res.Told = names
+	var msg []byte
 	pf := &pendingFence{epoch: ep, wait: make(map[string]bool, len(names)), done: make(chan struct{})}
 	for _, n := range names {
 		pf.wait[n] = true
@@ -150,18 +151,16 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 	if len(names) == 0 {
 		close(pf.done)
 	} else {
-		msg := control.FenceMsg{Epoch: ep, Floor: floor, Ranges: e.fencedRanges(ep)}.Encode()
-		e.pendMu.Lock()
-		e.pendFences[ep] = pf
-		e.pendMu.Unlock()
-		// Sent once, on a connection that exists: it is delivered unless
-		// the connection breaks, and a planner that missed it learns the
-		// epoch from the refusal of its first stale transfer. Resending
-		// would keep a goroutine per fence for a paused planner.
+		msg = control.FenceMsg{Epoch: ep, Floor: floor, Ranges: e.fencedRanges(ep)}.Encode()
+		e.rememberFence(pf)
+		// On a connection that exists; resent below while Fence waits
+		// (a full send queue drops it), never after: a planner that
+		// missed it learns the epoch from its next heartbeat or the
+		// refusal of its first stale transfer, and no goroutine is left
+		// behind per fence for a paused one.
 		for _, n := range names {
 			_ = e.plane.SendIfConnected(n, control.MsgFence, msg)
 		}
-		defer e.forgetFence(pf)
 	}
 
 	// This engine's own transfers whose local memory lies in the ranges
@@ -178,13 +177,34 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 		}
 	}
 	if reason == nil && len(names) > 0 {
-		t := time.NewTimer(e.opts.FenceGrace)
-		select {
-		case <-pf.done:
-		case <-t.C:
-		case <-ctx.Done():
+		grace := time.NewTimer(e.opts.FenceGrace)
+		interval := abortResendFirst
+		resend := time.NewTimer(interval)
+	wait:
+		for {
+			select {
+			case <-pf.done:
+				break wait
+			case <-grace.C:
+				break wait
+			case <-ctx.Done():
+				break wait
+			case <-resend.C:
+				pf.mu.Lock()
+				left := make([]string, 0, len(pf.wait))
+				for n := range pf.wait {
+					left = append(left, n)
+				}
+				pf.mu.Unlock()
+				for _, n := range left {
+					_ = e.plane.SendIfConnected(n, control.MsgFence, msg)
+				}
+				interval = min(2*interval, abortResendMax)
+				resend.Reset(interval)
+			}
 		}
-		t.Stop()
+		grace.Stop()
+		resend.Stop()
 	}
 	pf.mu.Lock()
 	res.Acked = append([]string(nil), pf.acked...)
@@ -321,10 +341,21 @@ func (e *Engine) plannerNames(extra []string) []string {
 	return names
 }
 
-func (e *Engine) forgetFence(pf *pendingFence) {
+// maxRememberedFences bounds the fences whose FENCE_ACKs are still matched
+// after Fence returned (a paused planner answers when it resumes).
+const maxRememberedFences = 1024
+
+// rememberFence records pf for its FENCE_ACKs, forgetting the oldest past
+// maxRememberedFences.
+func (e *Engine) rememberFence(pf *pendingFence) {
 	e.pendMu.Lock()
-	delete(e.pendFences, pf.epoch)
-	e.pendMu.Unlock()
+	defer e.pendMu.Unlock()
+	e.pendFences[pf.epoch] = pf
+	e.fenceOrder = append(e.fenceOrder, pf.epoch)
+	for len(e.fenceOrder) > maxRememberedFences {
+		delete(e.pendFences, e.fenceOrder[0])
+		e.fenceOrder = e.fenceOrder[1:]
+	}
 }
 
 // handleFenceAck takes a planner's FENCE_ACK (on the plane's loop). Safety
