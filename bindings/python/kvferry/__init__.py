@@ -57,7 +57,7 @@ from .engine import (
     library_version,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "AbortResult", "AbortedError", "Batch", "BatchFullError", "Buffer", "BusyError", "CanceledError",

@@ -343,7 +343,7 @@ def _index(value: Any, what: str = "index") -> int:
 
 
 def library_version() -> str:
-    """The loaded library's version string ("0.3.0"); loads it if needed."""
+    """The loaded library's version string ("0.4.0"); loads it if needed."""
     return _L().kvf_version_string().decode()
 
 
