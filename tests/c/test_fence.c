@@ -10,7 +10,8 @@
  *  - a fence of pages the initiator wrote with request id 0 is safe at
  *    epoch 1; the initiator was told and acknowledges; its next WRITE into
  *    the same pages (planned after the fence) lands, and so does a READ;
- *  - a fence of KVF_FENCE_RANGES_MAX ranges is accepted;
+ *  - a fence of KVF_FENCE_RANGES_MAX ranges is accepted (on an engine of
+ *    its own: see test_max_ranges);
  *  - kvf_stats counts fences, epochs, notices and acknowledgements.
  *
  * Then the same executable, started with posix_spawn as an initiator in a
@@ -223,18 +224,28 @@ static void test_fence_then_reuse(void) {
 
 /* ---- 3. the largest fence ------------------------------------------------ */
 
+/* On an engine of its own that no peer opened, so that it tells nobody: a
+ * notice of 65536 ranges is 1 MiB, and one still on its way to a peer that
+ * closes can be kept by libzmq past the end of the test, which
+ * LeakSanitizer reports. */
 static void test_max_ranges(void) {
     const size_t n = KVF_FENCE_RANGES_MAX;
+    kvf_engine lone = kvft_engine();
+    void *mem = NULL;
+    CHECK_OK(kvf_alloc_buffer(lone, 16 * MiB, NULL, &mem));
     uint64_t *addrs = malloc(n * sizeof *addrs), *lens = malloc(n * sizeof *lens);
     CHECK(addrs != NULL && lens != NULL, "malloc");
     for (size_t i = 0; i < n; i++) {
-        addrs[i] = obase + 8 * MiB + i * 128;
+        addrs[i] = (uint64_t)(uintptr_t)mem + i * 128;
         lens[i] = 64;
     }
-    fence_safe(addrs, lens, n, 10000, 3);
-    wait_fence_acks(3, "the largest fence");
+    kvf_fence_result r = unwritten();
+    CHECK_OK(kvf_fence_memory(lone, addrs, lens, n, 10000, &r));
+    CHECK(r.safe == 1 && r.epoch == 1 && r.peers_told == 0, "largest fence: safe %u epoch %llu told %u", r.safe,
+          (unsigned long long)r.epoch, r.peers_told);
     free(addrs);
     free(lens);
+    CHECK_OK(kvf_engine_destroy(lone));
 }
 
 /* ---- 4. counters --------------------------------------------------------- */
