@@ -649,8 +649,9 @@ typedef struct kvf_fence_result {
  * progress (tcp, local) and no NIC can execute one (rdma: the responder QPs
  * of every initiator were moved to the error state). When that could not be
  * reached by timeout_ms (> 0, or KVF_TIMEOUT_DEFAULT), it returns an error
- * (KVF_ERR_TIMEOUT; KVF_ERR_UNSUPPORTED when rdma initiators may hold rkeys
- * and KVFERRY_RDMA_FENCE=0) with out->safe = 0 and the reason in
+ * (KVF_ERR_TIMEOUT; KVF_ERR_UNSUPPORTED on an engine with the rdma transport
+ * and KVFERRY_RDMA_FENCE=0, where initiators may hold rkeys that only the
+ * QP fence revokes) with out->safe = 0 and the reason in
  * kvf_last_error; the other fields of *out are filled in both cases. Returns
  * by the deadline plus one copy chunk. After a safe fence the memory may be
  * reused at once.
@@ -658,7 +659,7 @@ typedef struct kvf_fence_result {
  * NULL addrs, lengths or out, n = 0 or above the maximum, a zero length, an
  * address in the first page, a range that wraps around or a bad timeout are
  * KVF_ERR_INVALID; a range not entirely in registered memory is
- * KVF_ERR_NOT_REGISTERED. The message names the range ("range 3: ..."); no
+ * KVF_ERR_NOT_REGISTERED. The message names the range ("range 3 ..."); no
  * range is fenced then and *out is untouched. The arrays are read during
  * the call only. */
 kvf_status kvf_fence_memory(kvf_engine engine, const uint64_t *addrs, const uint64_t *lengths, size_t n,
