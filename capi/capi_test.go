@@ -29,6 +29,7 @@ func TestCodeOfMapsEveryEngineError(t *testing.T) {
 		{engine.ErrRemoteRange, int(errRemoteRange)},
 		{engine.ErrStaleKey, int(errStaleKey)},
 		{engine.ErrRefused, int(errRefused)},
+		{engine.ErrFenced, int(errFenced)},
 		{engine.ErrTimeout, int(errTimeout)},
 		{context.DeadlineExceeded, int(errTimeout)},
 		{engine.ErrCanceled, int(errCanceled)},
@@ -65,6 +66,8 @@ func TestCodeOfPrefersTheMostSpecificCause(t *testing.T) {
 	}{
 		{"refusal of a stale key inside a failed transfer",
 			fmt.Errorf("WRITE: %w: %w: %w", engine.ErrTransferFailed, engine.ErrRefused, engine.ErrStaleKey), int(errStaleKey)},
+		{"fence refusal inside a failed transfer",
+			fmt.Errorf("WRITE: %w: %w: %w: planned at fence epoch 0", engine.ErrTransferFailed, engine.ErrRefused, engine.ErrFenced), int(errFenced)},
 		{"refusal without a cause",
 			fmt.Errorf("%w: %w", engine.ErrTransferFailed, engine.ErrRefused), int(errRefused)},
 		{"a peer that never answered an open",
@@ -77,6 +80,28 @@ func TestCodeOfPrefersTheMostSpecificCause(t *testing.T) {
 	for _, tt := range tests {
 		if got := int(codeOf(tt.err)); got != tt.want {
 			t.Errorf("%s: codeOf(%v) = %d, want %d", tt.name, tt.err, got, tt.want)
+		}
+	}
+}
+
+func TestTaskCodeOfAFencedTask(t *testing.T) {
+	// A transfer planned before its owner's fence ends FAILED (not ABORTED:
+	// no request id needs to be involved) with the fence refusal as cause.
+	fenced := fmt.Errorf("WRITE of [0x10000, +4096) at 127.0.0.1:1: %w: %w: %w: planned at fence epoch 0",
+		engine.ErrTransferFailed, engine.ErrRefused, engine.ErrFenced)
+	tests := []struct {
+		name string
+		r    engine.TaskResult
+		want int
+	}{
+		{"failed by a fence", engine.TaskResult{Status: engine.Failed, Err: fenced}, int(errFenced)},
+		{"failed by a grant refusal", engine.TaskResult{Status: engine.Failed,
+			Err: fmt.Errorf("%w: %w", engine.ErrTransferFailed, engine.ErrRefused)}, int(errRefused)},
+		{"aborted", engine.TaskResult{Status: engine.Aborted, Err: fenced}, int(errAborted)},
+	}
+	for _, tt := range tests {
+		if got := int(taskCode(tt.r)); got != tt.want {
+			t.Errorf("%s: taskCode = %d, want %d", tt.name, got, tt.want)
 		}
 	}
 }

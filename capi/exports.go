@@ -266,6 +266,13 @@ func kvfgo_engine_stats(h C.uintptr_t, out *C.kvf_stats) (st C.int) {
 	c.canceled_dropped = C.uint64_t(s.CanceledDropped)
 	c.rdma_responder_qps = C.uint64_t(s.RDMAResponderQPs)
 	c.rdma_connects_refused = C.uint64_t(s.RDMAConnectsRefused)
+	c.fences_safe = C.uint64_t(s.FencesSafe)
+	c.fences_not_safe = C.uint64_t(s.FencesNotSafe)
+	c.fence_epoch = C.uint64_t(s.FenceEpoch)
+	c.fence_refused = C.uint64_t(s.FenceRefused)
+	c.fence_acks = C.uint64_t(s.FenceAcks)
+	c.fence_acks_unmatched = C.uint64_t(s.FenceAcksUnmatched)
+	c.fences_received = C.uint64_t(s.FencesReceived)
 	// Fill what the caller's struct has room for; leave any newer tail alone.
 	n := min(size, unsafe.Sizeof(c))
 	copy(unsafe.Slice((*byte)(unsafe.Pointer(out)), n), unsafe.Slice((*byte)(unsafe.Pointer(&c)), n))

@@ -22,7 +22,8 @@ _Static_assert(sizeof(kvf_task_status) == 16, "kvf_task_status layout is part of
 _Static_assert(sizeof(kvf_engine_options) == 72, "kvf_engine_options layout is part of the ABI");
 _Static_assert(sizeof(kvf_memory_range) == 24, "kvf_memory_range layout is part of the ABI");
 _Static_assert(sizeof(kvf_event) == 152, "kvf_event layout is part of the ABI");
-_Static_assert(KVF_STATUS_MAX == KVF_ERR_IN_USE, "KVF_STATUS_MAX is the last code");
+_Static_assert(sizeof(kvf_fence_result) == 32, "kvf_fence_result layout is part of the ABI");
+_Static_assert(KVF_STATUS_MAX == KVF_ERR_FENCED, "KVF_STATUS_MAX is the last code");
 
 /* ---- the calling thread's last error ---------------------------------- */
 
@@ -94,6 +95,7 @@ const char *kvf_status_str(int status) {
     case KVF_ERR_PROTOCOL: return "protocol violation by a peer";
     case KVF_ERR_TRUNCATED: return "output buffer too small";
     case KVF_ERR_IN_USE: return "memory may still be touched";
+    case KVF_ERR_FENCED: return "range fenced by the owner";
     }
     return "unknown status";
 }
@@ -248,3 +250,10 @@ kvf_status kvf_poll_events(kvf_engine engine, kvf_event *out, size_t cap, size_t
 }
 
 kvf_status kvf_event_fd(kvf_engine engine, int *fd) { return (kvf_status)kvfgo_event_fd(H(engine), fd); }
+
+/* ---- fences by memory range --------------------------------------------- */
+
+kvf_status kvf_fence_memory(kvf_engine engine, const uint64_t *addrs, const uint64_t *lengths, size_t n,
+                            int timeout_ms, kvf_fence_result *out) {
+    return (kvf_status)kvfgo_fence_memory(H(engine), (uint64_t *)addrs, (uint64_t *)lengths, n, timeout_ms, out);
+}

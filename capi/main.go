@@ -62,6 +62,7 @@ const (
 	errProtocol          C.int = C.KVF_ERR_PROTOCOL
 	errTruncated         C.int = C.KVF_ERR_TRUNCATED
 	errInUse             C.int = C.KVF_ERR_IN_USE
+	errFenced            C.int = C.KVF_ERR_FENCED
 	defaultTimeoutMillis       = C.KVF_TIMEOUT_DEFAULT
 )
 
@@ -70,7 +71,8 @@ var errHandle = errors.New("invalid handle")
 
 // codeOf maps an error to its status code. The most specific cause wins: a
 // task that failed because the owner refused a stale key reports
-// KVF_ERR_STALE_KEY, not KVF_ERR_REFUSED or KVF_ERR_TRANSFER_FAILED.
+// KVF_ERR_STALE_KEY, and one the owner's fence refused KVF_ERR_FENCED, not
+// KVF_ERR_REFUSED or KVF_ERR_TRANSFER_FAILED.
 func codeOf(err error) C.int {
 	is := func(targets ...error) bool {
 		for _, t := range targets {
@@ -105,6 +107,8 @@ func codeOf(err error) C.int {
 		return errNotRegistered
 	case is(engine.ErrAborted):
 		return errAborted
+	case is(engine.ErrFenced):
+		return errFenced
 	case is(engine.ErrRefused):
 		return errRefused
 	case is(engine.ErrOutOfBounds):

@@ -58,12 +58,12 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define KVF_VERSION_MAJOR 0
-#define KVF_VERSION_MINOR 3
+#define KVF_VERSION_MINOR 4
 #define KVF_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, as zstd's ZSTD_VERSION_NUMBER. */
 #define KVF_VERSION_NUMBER \
     (KVF_VERSION_MAJOR * 10000 + KVF_VERSION_MINOR * 100 + KVF_VERSION_PATCH)
-#define KVF_VERSION_STRING "0.3.0"
+#define KVF_VERSION_STRING "0.4.0"
 
 /* The library's KVF_VERSION_NUMBER, to check that header and library agree
  * (the major version must match; a library at least as new as the header is
@@ -106,15 +106,19 @@ typedef enum kvf_status {
     KVF_ERR_PROTOCOL = 20,       /* a peer sent a malformed or unexpected message */
     KVF_ERR_TRUNCATED = 21,      /* the output buffer is too small; the length
                                     needed was reported */
-    KVF_ERR_IN_USE = 22          /* the engine could not confirm in time that it
+    KVF_ERR_IN_USE = 22,         /* the engine could not confirm in time that it
                                     stopped touching a transfer's memory (a NIC
                                     neither completed nor flushed its work):
                                     do not reuse that memory; its tasks stay
                                     in flight */
+    KVF_ERR_FENCED = 23          /* since 0.4: the owner fenced a range the
+                                    transfer touches (kvf_fence_memory) after
+                                    the transfer was planned; final for that
+                                    transfer, never retried: plan a new one */
 } kvf_status;
 
 /* Largest status code of this version. */
-#define KVF_STATUS_MAX 22
+#define KVF_STATUS_MAX 23
 
 /* A static, never NULL, English name of a status code, e.g. "invalid
  * argument"; "unknown status" for codes this version does not know. */
@@ -281,6 +285,15 @@ typedef struct kvf_stats {
     uint64_t canceled_dropped; /* CANCELED messages from peers that could not touch the request */
     uint64_t rdma_responder_qps; /* QPs made for initiators connected to us */
     uint64_t rdma_connects_refused; /* rdma connect requests refused at the QP cap */
+    /* Since 0.4: fences by memory range (kvf_fence_memory). */
+    uint64_t fences_safe;          /* kvf_fence_memory calls that reported safe */
+    uint64_t fences_not_safe;      /* kvf_fence_memory calls that did not */
+    uint64_t fence_epoch;          /* the last fence's epoch (0: none yet) */
+    uint64_t fence_refused;        /* accesses (peers' and our own to the local
+                                      segment) refused as planned before a fence */
+    uint64_t fence_acks;           /* fence notices acknowledged by the peers told */
+    uint64_t fence_acks_unmatched; /* acknowledgements dropped: late, duplicate, unknown */
+    uint64_t fences_received;      /* fence notices received from owners we write to or read from */
 } kvf_stats;
 
 /* Fills *out (struct_size set by the caller, at least 8). Never blocks. */
@@ -407,7 +420,9 @@ const char *kvf_task_state_str(int state);
 typedef struct kvf_task_status {
     int32_t state;        /* kvf_task_state */
     int32_t error;        /* kvf_status: why a final task did not complete;
-                             KVF_OK while in flight or when COMPLETED */
+                             KVF_OK while in flight or when COMPLETED. A
+                             FAILED task the owner's fence stopped has
+                             KVF_ERR_FENCED */
     uint64_t transferred; /* bytes confirmed moved; a lower bound if it failed */
 } kvf_task_status;
 
@@ -505,7 +520,10 @@ typedef struct kvf_abort_result {
  * timeout_ms (> 0, or KVF_TIMEOUT_DEFAULT), out->safe = 0 and an error
  * (KVF_ERR_TIMEOUT, ...) whose kvf_last_error says why. Returns by the
  * deadline plus one copy chunk. After a safe abort the memory may be reused
- * at once. request_id 0 is KVF_ERR_INVALID. */
+ * at once. request_id 0 is KVF_ERR_INVALID: an abort stops only the
+ * transfers that carry its request id. Transfers without one (request id 0,
+ * as Mooncake-based frameworks send) are stopped by kvf_fence_memory of
+ * their ranges, by unregistering the memory or by destroying the engine. */
 kvf_status kvf_abort(kvf_engine engine, uint64_t request_id, const char *const *initiators, size_t n,
                      int timeout_ms, kvf_abort_result *out);
 
@@ -575,6 +593,77 @@ kvf_status kvf_poll_events(kvf_engine engine, kvf_event *out, size_t cap, size_t
  * wake-up is possible, a missed one is not. Do not read or close it:
  * kvf_engine_destroy closes it. */
 kvf_status kvf_event_fd(kvf_engine engine, int *fd);
+
+/* ------------------------------------------------------------------------ */
+/* Fences by memory range                                                   */
+/* ------------------------------------------------------------------------ */
+/* Since 0.4. kvf_abort stops the transfers that carry one request id; a
+ * fence stops every transfer into or out of ranges of our memory, whatever
+ * its request id (0, "no request", included) and whichever peer initiated
+ * it. It is what protects an owner whose peers pass no request id (SGLang's
+ * and vLLM's Mooncake wrappers): decode fences a request's pages before it
+ * frees or reuses them. A transfer is "planned before" a fence when it was
+ * submitted under an earlier fence epoch, a number the owner issues (not a
+ * matter of timing); a fence refuses exactly those, for the bytes it covers. */
+
+/* Largest n of kvf_fence_memory. */
+#define KVF_FENCE_RANGES_MAX 65536
+
+/* Outcome of kvf_fence_memory. */
+typedef struct kvf_fence_result {
+    uint32_t struct_size; /* in: sizeof(kvf_fence_result) */
+    uint32_t safe;        /* 1: no transfer planned before the call can write
+                             into or read from the ranges any more; 0: not
+                             safe (reason in kvf_last_error) */
+    uint64_t epoch;       /* the fence's epoch: transfers planned from now
+                             on carry it (or a later one) and pass */
+    uint32_t peers_told;  /* peers sent the fence notice: those that fetched
+                             our descriptor lately, and rdma initiators */
+    uint32_t peers_acked; /* of those, the ones that acknowledged it by the
+                             return: their next transfers carry the epoch */
+    uint32_t peers_cut;   /* rdma initiators whose QPs to us were moved to
+                             the error state (their other work is posted
+                             again on new QPs) */
+    uint32_t reserved;    /* written as 0 */
+} kvf_fence_result;
+
+/* Owner side: fences the ranges [addrs[i], addrs[i] + lengths[i]), i < n, of
+ * our registered memory (1 <= n <= KVF_FENCE_RANGES_MAX; each range inside
+ * one registration or several adjacent ones). From the call on, every access
+ * to them planned before it is refused chunk by chunk, whatever its request
+ * id (0 included) and initiator, and whatever that initiator does next
+ * (paused, dead, partitioned, retrying, refreshing its descriptor): its task
+ * ends KVF_TASK_FAILED with KVF_ERR_FENCED and is never retried. Accesses
+ * to other memory go on untouched.
+ *
+ * Transfers planned after the call pass. The peers that may plan transfers
+ * to us are told, and the call waits a little (KVFERRY_FENCE_GRACE_MS, 50 ms
+ * by default) for their acknowledgements, so that when the application
+ * tells a writer about the pages only after the call returned, the writer's
+ * next transfers into them do not fail because of the fence. A peer that
+ * did not acknowledge in time (paused, partitioned) is fenced all the same;
+ * it learns the epoch from the notice, resent until the deadline, or from
+ * the refusal of its first transfer planned before the fence.
+ *
+ * Returns KVF_OK with out->safe = 1 once no copy of a fenced access is in
+ * progress (tcp, local) and no NIC can execute one (rdma: the responder QPs
+ * of every initiator were moved to the error state). When that could not be
+ * reached by timeout_ms (> 0, or KVF_TIMEOUT_DEFAULT), it returns an error
+ * (KVF_ERR_TIMEOUT; KVF_ERR_UNSUPPORTED on an engine with the rdma transport
+ * and KVFERRY_RDMA_FENCE=0, where initiators may hold rkeys that only the
+ * QP fence revokes) with out->safe = 0 and the reason in
+ * kvf_last_error; the other fields of *out are filled in both cases. Returns
+ * by the deadline plus one copy chunk. After a safe fence the memory may be
+ * reused at once.
+ *
+ * NULL addrs, lengths or out, n = 0 or above the maximum, a zero length, an
+ * address in the first page, a range that wraps around or a bad timeout are
+ * KVF_ERR_INVALID; a range not entirely in registered memory is
+ * KVF_ERR_NOT_REGISTERED. The message names the range ("range 3 ..."); no
+ * range is fenced then and *out is untouched. The arrays are read during
+ * the call only. */
+kvf_status kvf_fence_memory(kvf_engine engine, const uint64_t *addrs, const uint64_t *lengths, size_t n,
+                            int timeout_ms, kvf_fence_result *out);
 
 #ifdef __cplusplus
 } /* extern "C" */

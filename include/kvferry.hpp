@@ -5,8 +5,8 @@
 // failure throws kvferry::Error, which carries the kvf_status code and the
 // library's detailed message. Outcomes that are results rather than
 // failures are returned instead: a batch still in flight (Batch::wait), an
-// abort that is not safe (Engine::abort), a peer's full event queue
-// (Segment::notify). Destructors never throw: a Segment, Batch or
+// abort or a fence that is not safe (Engine::abort, Engine::fence), a
+// peer's full event queue (Segment::notify). Destructors never throw: a Segment, Batch or
 // Buffer that outlives its Engine finds its handle stale and does nothing
 // (kvf_engine_destroy already released it).
 //
@@ -106,6 +106,26 @@ struct AbortResult {
     uint64_t generation = 0;
     // Lower bound of the bytes that landed, from the ACKs received in time.
     uint64_t bytes_confirmed = 0;
+    // When not safe: why (KVF_ERR_TIMEOUT, ...) and the library's message.
+    kvf_status code = KVF_OK;
+    std::string reason;
+
+    explicit operator bool() const noexcept { return safe; }
+};
+
+// FenceResult is the outcome of Engine::fence (kvf_fence_result).
+struct FenceResult {
+    // No transfer planned before the fence, whatever its request id (0
+    // included) and initiator, can touch the ranges any more: they may be
+    // reused at once.
+    bool safe = false;
+    // The fence's epoch: transfers planned from now on carry it and pass.
+    uint64_t epoch = 0;
+    // Peers sent the fence notice, those that acknowledged it by the
+    // return, and rdma initiators whose QPs to us were cut.
+    uint32_t peers_told = 0;
+    uint32_t peers_acked = 0;
+    uint32_t peers_cut = 0;
     // When not safe: why (KVF_ERR_TIMEOUT, ...) and the library's message.
     kvf_status code = KVF_OK;
     std::string reason;
@@ -449,6 +469,50 @@ public:
         return out;
     }
 
+    // Fence by memory range, as the owner (kvf_fence_memory): from now on
+    // every access to [addrs[i], addrs[i] + lengths[i]), i < n, planned
+    // before the call is refused, whatever its request id (0 included) and
+    // initiator; transfers planned after it pass. This is what protects
+    // pages written by peers that pass no request id (Mooncake-based
+    // frameworks): fence them before reusing them. A fence that could not
+    // be made safe by timeout_ms is a result (safe false, with code and
+    // reason), not an exception; invalid arguments (KVF_ERR_INVALID),
+    // memory not registered (KVF_ERR_NOT_REGISTERED) and a closed engine
+    // throw.
+    FenceResult fence(const uint64_t *addrs, const uint64_t *lengths, size_t n,
+                      int timeout_ms = KVF_TIMEOUT_DEFAULT) {
+        kvf_fence_result r{};
+        r.struct_size = sizeof r;
+        // As in abort: the sentinel tells a result that is not safe (safe
+        // written as 0) from a failure (nothing written).
+        r.safe = not_written;
+        kvf_status st = kvf_fence_memory(h_, addrs, lengths, n, timeout_ms, &r);
+        FenceResult out;
+        if (st != KVF_OK) {
+            if (r.safe != 0) throw Error(st, kvf_last_error());
+            out.code = st;
+            out.reason = kvf_last_error();
+        }
+        out.safe = st == KVF_OK && r.safe == 1;
+        out.epoch = r.epoch;
+        out.peers_told = r.peers_told;
+        out.peers_acked = r.peers_acked;
+        out.peers_cut = r.peers_cut;
+        return out;
+    }
+    // The same for (address, length) pairs, e.g. fence({{addr, len}}).
+    FenceResult fence(const std::vector<std::pair<uint64_t, uint64_t>> &ranges,
+                      int timeout_ms = KVF_TIMEOUT_DEFAULT) {
+        std::vector<uint64_t> addrs, lengths;
+        addrs.reserve(ranges.size());
+        lengths.reserve(ranges.size());
+        for (const auto &r : ranges) {
+            addrs.push_back(r.first);
+            lengths.push_back(r.second);
+        }
+        return fence(addrs.data(), lengths.data(), ranges.size(), timeout_ms);
+    }
+
     // Lets initiator (a segment name) access ranges of our registered
     // memory for request_id (kvf_grant); returns the grant's id.
     uint64_t grant(const std::string &initiator, uint64_t request_id, const std::vector<kvf_grant_range> &ranges) {
@@ -496,7 +560,7 @@ private:
     kvf_engine h_ = nullptr;
 };
 
-// The library's version, e.g. "0.2.0".
+// The library's version, e.g. "0.4.0".
 inline std::string version() { return kvf_version_string(); }
 
 } // namespace kvferry

@@ -18,10 +18,13 @@ int kvf_header_c99_check(void) {
     kvf_memory_range mr = {NULL, 0, "cpu"};
     kvf_grant_range gr = {0, 0};
     kvf_abort_result ar;
+    kvf_fence_result fr;
     st.struct_size = sizeof st;
     ar.struct_size = sizeof ar;
+    fr.struct_size = sizeof fr;
     ev.type = KVF_EVENT_NONE;
     (void)r, (void)ts, (void)mr, (void)gr;
-    return (int)o.struct_size + (int)st.struct_size + (int)ar.struct_size + (int)ev.type +
-           (kvf_status_str(KVF_ERR_INTERNAL) != NULL) + (KVF_TIMEOUT_DEFAULT < 0) + KVF_LOG_OFF;
+    return (int)o.struct_size + (int)st.struct_size + (int)ar.struct_size + (int)fr.struct_size + (int)ev.type +
+           (kvf_status_str(KVF_ERR_INTERNAL) != NULL) + (KVF_TIMEOUT_DEFAULT < 0) + KVF_LOG_OFF +
+           (KVF_ERR_FENCED == KVF_STATUS_MAX) + (KVF_FENCE_RANGES_MAX > 0);
 }

@@ -1,14 +1,18 @@
 // A C++ program using kvferry as an installed package (through CMake's
 // find_package or pkg-config): two engines in one process move data both
 // ways, failures arrive as kvferry::Error with code and message, and the
-// owner aborts a request, grants and revokes, and gets a notification
-// through the wrappers (the C test test_abort covers those calls in depth).
+// owner aborts a request, fences pages, grants and revokes, and gets a
+// notification through the wrappers (the C tests test_abort and test_fence
+// cover those calls in depth).
 #include <kvferry.hpp>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #define EXPECT(cond)                                                            \
@@ -131,6 +135,42 @@ int main() {
         } catch (const kvferry::Error &e) {
             EXPECT(e.code() == KVF_ERR_INVALID);
         }
+
+        // A fence of dst's first two pages, which a wrote with no request
+        // id: safe, a was told; once a applied it (b counted its
+        // acknowledgement), a's next write into the pages, planned after
+        // the fence, lands.
+        kvferry::FenceResult fr = b.fence({{dst.addr(), 8192}}, 5000);
+        EXPECT(fr.safe && fr && fr.epoch == 1 && fr.code == KVF_OK && fr.reason.empty());
+        EXPECT(fr.peers_told >= 1 && fr.peers_acked <= fr.peers_told && fr.peers_cut == 0);
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (b.stats().fence_acks < 1) {
+            EXPECT(std::chrono::steady_clock::now() < deadline);
+            std::this_thread::sleep_for(std::chrono::milliseconds(1)); // a poll interval
+        }
+        EXPECT(a.stats().fences_received >= 1);
+        std::memset(src.data(), 0x5c, 8192);
+        a.transfer({seg.write(src.data(), dst.addr(), 8192, 0)}, 5000);
+        EXPECT(dst.bytes()[0] == 0x5c && dst.bytes()[8191] == 0x5c);
+        const uint64_t pages[2] = {dst.addr(), dst.addr() + 65536}, lens[2] = {4096, 4096};
+        kvferry::FenceResult fr2 = b.fence(pages, lens, 2, 5000);
+        EXPECT(fr2.safe && fr2.epoch == 2);
+        EXPECT(b.stats().fences_safe == 2 && b.stats().fence_epoch == 2);
+        // Memory b never registered, and no ranges, throw.
+        try {
+            (void)b.fence({{src.addr(), 4096}}, 1000);
+            EXPECT(false);
+        } catch (const kvferry::Error &e) {
+            EXPECT(e.code() == KVF_ERR_NOT_REGISTERED);
+            EXPECT(std::strstr(e.what(), "kvf_fence_memory") != nullptr);
+        }
+        try {
+            (void)b.fence(std::vector<std::pair<uint64_t, uint64_t>>{}, 1000);
+            EXPECT(false);
+        } catch (const kvferry::Error &e) {
+            EXPECT(e.code() == KVF_ERR_INVALID);
+        }
+        EXPECT(b.stats().fence_epoch == 2);
 
         // A notification reaches the owner as an event.
         EXPECT(seg.notify(5, "ready"));

@@ -33,3 +33,15 @@ int kvf_header_cxx17_abort(kvferry::Engine &owner, kvferry::Engine &init, const 
     return n + fd + (queued ? 1 : 0) + (ar.safe ? 1 : 0) + static_cast<int>(ar.generation + ar0.bytes_confirmed) +
            ar.code + static_cast<int>(ar.reason.size());
 }
+
+// The fence wrappers, instantiated (not run).
+int kvf_header_cxx17_fence(kvferry::Engine &owner);
+
+int kvf_header_cxx17_fence(kvferry::Engine &owner) {
+    kvferry::FenceResult fr = owner.fence({{0x10000, 4096}, {0x20000, 8192}}, 1000);
+    const uint64_t addrs[1] = {0x10000}, lengths[1] = {4096};
+    kvferry::FenceResult fr0 = owner.fence(addrs, lengths, 1);
+    return (fr ? 1 : 0) + (fr0.safe ? 1 : 0) + static_cast<int>(fr.epoch + fr.peers_told + fr.peers_acked +
+                                                                  fr.peers_cut) +
+           fr.code + static_cast<int>(fr0.reason.size());
+}

@@ -29,6 +29,8 @@ from .engine import (
     EngineClosedError,
     Event,
     EventType,
+    FencedError,
+    FenceResult,
     ForkError,
     HandleError,
     InternalError,
@@ -57,11 +59,12 @@ from .engine import (
     library_version,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "AbortResult", "AbortedError", "Batch", "BatchFullError", "Buffer", "BusyError", "CanceledError",
-    "ConnectionBrokenError", "Engine", "EngineClosedError", "Event", "EventType", "ForkError", "HandleError",
+    "ConnectionBrokenError", "Engine", "EngineClosedError", "Event", "EventType", "FenceResult", "FencedError",
+    "ForkError", "HandleError",
     "InternalError", "InvalidArgumentError", "KvferryError", "LibraryNotFound", "MemoryInUseError", "NoMemoryError",
     "NotRegisteredError", "Op", "OverlapError", "ProtocolError", "RefusedError", "RemoteRangeError", "Request",
     "Segment", "StaleKeyError", "Stats", "TaskState", "TaskStatus", "TimedOutError", "TransferFailedError",

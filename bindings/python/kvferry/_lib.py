@@ -33,7 +33,7 @@ from typing import List, Optional
 # The header's KVF_VERSION_MAJOR this binding was written for.
 ABI_MAJOR = 0
 # The oldest library minor version with every function declared here.
-ABI_MIN_MINOR = 3
+ABI_MIN_MINOR = 4
 
 TIMEOUT_DEFAULT = -1
 EVENT_DATA_MAX = 64
@@ -64,6 +64,9 @@ ERR_ABORTED = 19
 ERR_PROTOCOL = 20
 ERR_TRUNCATED = 21
 ERR_IN_USE = 22
+ERR_FENCED = 23
+
+FENCE_RANGES_MAX = 65536
 
 # kvf_op
 OP_READ = 0
@@ -132,6 +135,13 @@ class Stats(Structure):
         ("canceled_dropped", c_uint64),
         ("rdma_responder_qps", c_uint64),
         ("rdma_connects_refused", c_uint64),
+        ("fences_safe", c_uint64),
+        ("fences_not_safe", c_uint64),
+        ("fence_epoch", c_uint64),
+        ("fence_refused", c_uint64),
+        ("fence_acks", c_uint64),
+        ("fence_acks_unmatched", c_uint64),
+        ("fences_received", c_uint64),
     ]
 
 
@@ -161,6 +171,18 @@ class AbortResult(Structure):
         ("safe", c_uint32),
         ("generation", c_uint64),
         ("bytes_confirmed", c_uint64),
+    ]
+
+
+class FenceResult(Structure):
+    _fields_ = [
+        ("struct_size", c_uint32),
+        ("safe", c_uint32),
+        ("epoch", c_uint64),
+        ("peers_told", c_uint32),
+        ("peers_acked", c_uint32),
+        ("peers_cut", c_uint32),
+        ("reserved", c_uint32),
     ]
 
 
@@ -282,6 +304,7 @@ def _declare(l: ctypes.CDLL) -> None:
         "kvf_notify": (st, [vp, c_uint64, c_void_p, sz]),
         "kvf_poll_events": (st, [vp, POINTER(Event), sz, szp, c_int]),
         "kvf_event_fd": (st, [vp, POINTER(c_int)]),
+        "kvf_fence_memory": (st, [vp, POINTER(c_uint64), POINTER(c_uint64), sz, c_int, POINTER(FenceResult)]),
     }
     for name, (res, args) in protos.items():
         f = getattr(l, name)

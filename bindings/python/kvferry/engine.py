@@ -1,5 +1,6 @@
 """The Pythonic API of kvferry: :class:`Engine`, :class:`Segment`,
-:class:`Batch`, requests, safe abort, grants, notifications, events, stats.
+:class:`Batch`, requests, safe abort, fences by memory range, grants,
+notifications, events, stats.
 
 Conventions:
 
@@ -39,11 +40,12 @@ from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple, U
 
 from . import _lib
 from ._lib import KvferryError
-from ._memory import MemoryInfo, _as_int, check_range, is_int_like, memory_info
+from ._memory import MemoryInfo, _as_int, _is_ndarray, _is_tensor, check_range, is_int_like, memory_info
 
 __all__ = [
     "AbortResult", "AbortedError", "BatchFullError", "Batch", "Buffer", "BusyError", "CanceledError",
-    "ConnectionBrokenError", "Engine", "EngineClosedError", "Event", "EventType", "ForkError", "HandleError",
+    "ConnectionBrokenError", "Engine", "EngineClosedError", "Event", "EventType", "FenceResult", "FencedError",
+    "ForkError", "HandleError",
     "InternalError", "InvalidArgumentError", "KvferryError", "NoMemoryError", "NotRegisteredError", "Op",
     "OverlapError", "ProtocolError", "RefusedError", "RemoteRangeError", "Request", "Segment", "StaleKeyError",
     "Stats", "TaskState", "TaskStatus", "TimedOutError", "TransferFailedError", "TruncatedError", "MemoryInUseError",
@@ -207,6 +209,13 @@ class TruncatedError(_Picklable, KvferryError):
     """KVF_ERR_TRUNCATED: an output buffer was too small."""
 
 
+class FencedError(RefusedError):
+    """KVF_ERR_FENCED: the owner fenced a range the transfer touches
+    (:meth:`Engine.fence`) after the transfer was planned. Final for that
+    transfer, never retried; a transfer planned now passes. A
+    :class:`RefusedError` too."""
+
+
 class MemoryInUseError(_Picklable, KvferryError):
     """KVF_ERR_IN_USE: the engine could not confirm in time that it stopped
     touching a transfer's memory (a NIC neither completed nor flushed its
@@ -243,6 +252,7 @@ _ERRORS = {
     _lib.ERR_PROTOCOL: ProtocolError,
     _lib.ERR_TRUNCATED: TruncatedError,
     _lib.ERR_IN_USE: MemoryInUseError,
+    _lib.ERR_FENCED: FencedError,
 }
 
 
@@ -343,7 +353,7 @@ def _index(value: Any, what: str = "index") -> int:
 
 
 def library_version() -> str:
-    """The loaded library's version string ("0.3.0"); loads it if needed."""
+    """The loaded library's version string ("0.4.0"); loads it if needed."""
     return _L().kvf_version_string().decode()
 
 
@@ -440,6 +450,30 @@ class AbortResult:
 
 
 @dataclass(frozen=True)
+class FenceResult:
+    """Outcome of :meth:`Engine.fence`.
+
+    ``safe``: no transfer planned before the fence, whatever its request id
+    (0 included) and initiator, can write into or read from the ranges any
+    more (reuse them at once). ``epoch``: the fence's epoch; transfers
+    planned from now on carry it and pass. ``peers_told``: peers sent the
+    fence notice (those that fetched our descriptor lately, rdma
+    initiators); ``peers_acked``: those that acknowledged it by the return;
+    ``peers_cut``: rdma initiators whose QPs to us were moved to the error
+    state. ``reason``: why it is not safe ("" when safe), ``code`` the
+    matching status code (0 when safe). NotSafe is a result, not an
+    exception."""
+
+    safe: bool
+    epoch: int
+    peers_told: int
+    peers_acked: int
+    peers_cut: int
+    reason: str = ""
+    code: int = 0
+
+
+@dataclass(frozen=True)
 class Event:
     """An event from :meth:`Engine.poll_events`: its ``type`` (an
     :class:`EventType`, or an int for types newer than this binding), the
@@ -481,6 +515,13 @@ class Stats:
     tasks_aborted: int
     tombstones: int
     events_dropped: int
+    fences_safe: int           #: fence calls that reported safe
+    fences_not_safe: int       #: fence calls that did not
+    fence_epoch: int           #: the last fence's epoch (0: none yet)
+    fence_refused: int         #: accesses refused as planned before a fence
+    fence_acks: int            #: fence notices acknowledged by the peers told
+    fence_acks_unmatched: int  #: acknowledgements dropped: late, duplicate, unknown
+    fences_received: int       #: fence notices received from owners we transfer with
 
 
 _STATS_FIELDS = tuple(Stats.__dataclass_fields__)
@@ -1140,6 +1181,71 @@ class Engine:
             return AbortResult(False, out.generation, out.bytes_confirmed, msg, code)
         raise error_for(code, msg)
 
+    def fence(self, ranges: Any, timeout: Optional[float] = None) -> FenceResult:
+        """Owner side: fences ranges of our registered memory. From the call
+        on every access to them planned before it is refused, whatever its
+        request id (0 included) and initiator, and whatever the initiator
+        does next (paused, retrying, ...): its task ends FAILED with
+        :class:`FencedError`, never retried. Transfers planned after the
+        call pass: the peers that may plan transfers to us are told, and
+        the call waits a little (``KVFERRY_FENCE_GRACE_MS``, 50 ms) for
+        their acknowledgements, so a writer told about the pages after it
+        returned writes into them normally.
+
+        Unlike :meth:`abort`, which stops only the transfers carrying one
+        request id, this stops transfers without one, as Mooncake-based
+        frameworks send them: fence a request's pages before reusing them.
+
+        ``ranges``: an iterable of ``(address, length)`` pairs,
+        ``(object, length)`` pairs (the first bytes of an object), Buffers,
+        or objects naming memory as for :meth:`register` (buffer protocol,
+        NumPy arrays, tensors with ``data_ptr()``); or one Buffer or such
+        object alone. Each must lie in memory this engine registered
+        (:class:`NotRegisteredError` otherwise); at most 65536 ranges, one
+        call into the library. Safe: the memory may be reused at once.
+        NotSafe by the deadline (``timeout`` seconds; None: the engine's
+        default) is returned (``safe=False`` with its reason), not raised;
+        invalid arguments raise."""
+        if isinstance(ranges, Buffer) or _is_tensor(ranges) or _is_ndarray(ranges):
+            ranges = [ranges]
+        elif not isinstance(ranges, (list, tuple)) and _has_buffer(ranges):
+            ranges = [ranges]
+        addrs, lens = array("Q"), array("Q")
+        for i, r in enumerate(ranges):
+            a, n = _fence_span(r, i)
+            addrs.append(a)
+            lens.append(n)
+        return self._fence(addrs, lens, timeout)
+
+    def fence_many(self, addrs: Any, lengths: Any, timeout: Optional[float] = None) -> FenceResult:
+        """:meth:`fence` with columns: ``addrs`` a sequence of n addresses
+        (an ``array('Q')`` is used as is), ``lengths`` n lengths or one for
+        every range. Converted at C speed: the fast path for thousands of
+        pages (every layer's K and V pages of a request). The library checks
+        each range (:class:`InvalidArgumentError` naming it for a zero
+        length)."""
+        if _is_scalar(addrs):
+            raise TypeError("addrs must be a sequence of addresses (use fence([(addr, length)]) for one range)")
+        a = _column(addrs, len(addrs), "addrs")
+        return self._fence(a, _column(lengths, len(a), "lengths"), timeout)
+
+    def _fence(self, addrs: array, lens: array, timeout: Optional[float]) -> FenceResult:
+        ms = _timeout_ms(timeout, allow_zero=False)
+        n = len(addrs)
+        pa = (c_uint64 * n).from_buffer(addrs) if n else None
+        pl = (c_uint64 * n).from_buffer(lens) if n else None
+        out = _lib.FenceResult()
+        out.struct_size = ctypes.sizeof(out)
+        out.safe = 0xFFFFFFFF  # the library writes 0 or 1 once the fence ran
+        lib = _L()
+        code = lib.kvf_fence_memory(self._handle(), pa, pl, n, ms, byref(out))
+        if code == _lib.OK:
+            return FenceResult(True, out.epoch, out.peers_told, out.peers_acked, out.peers_cut)
+        msg = _last_error(lib)
+        if out.safe == 0:
+            return FenceResult(False, out.epoch, out.peers_told, out.peers_acked, out.peers_cut, msg, code)
+        raise error_for(code, msg)
+
     def grant(self, initiator: Union[str, "Segment"], request_id: int,
               ranges: Iterable[Union[Tuple[int, int], Buffer]]) -> int:
         """Owner side: lets ``initiator`` (a segment name) access ``ranges``
@@ -1210,6 +1316,36 @@ class Engine:
         lib = _L()
         _check(lib, lib.kvf_event_fd(self._handle(), byref(fd)))
         return fd.value
+
+
+def _has_buffer(obj: Any) -> bool:
+    """Whether obj exports the buffer protocol (bytearray, mmap, ctypes array, ...)."""
+    try:
+        memoryview(obj).release()
+    except TypeError:
+        return False
+    return True
+
+
+def _fence_span(item: Any, i: int) -> Tuple[int, int]:
+    """(address, length) of one range given to :meth:`Engine.fence`."""
+    try:
+        if isinstance(item, Buffer):
+            return item.addr, item.length
+        if isinstance(item, tuple):
+            if len(item) != 2:
+                raise TypeError(f"a tuple is (address or object, length), not {len(item)} items")
+            obj, n = item
+            if is_int_like(obj):
+                return check_range(_u64(obj, "address"), n)
+            info = memory_info(obj, n)
+            return info.addr, info.length
+        if is_int_like(item):
+            raise TypeError("an int address needs a length: pass (address, length) pairs, e.g. fence([(addr, n)])")
+        info = memory_info(item)
+        return info.addr, info.length
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"fence: range {i}: {e}") from None
 
 
 # --------------------------------------------------------------------------

@@ -18,7 +18,12 @@ kvferry extensions on the same class (absent from Mooncake):
 
 - a keyword-only ``request_id=`` on every transfer call: the request id that
   the owner of the memory can abort;
-- ``abort(request_id, initiators, timeout)``: the owner's safe abort;
+- ``abort(request_id, initiators, timeout)``: the owner's safe abort of the
+  transfers that carry a request id;
+- ``fence_memory(addrs, lengths, timeout)``: the owner's fence of memory
+  ranges, which stops every transfer planned before it, with or without a
+  request id: what decode calls before it frees a room's pages when the
+  prefill side passes no request id (SGLang's and vLLM's wrappers today);
 - ``get_session_id()``, ``last_error()`` (code and message of this thread's
   last failure), ``close()`` and the context-manager protocol;
 - ``TransferEngine(transfer_timeout=seconds)`` to set the sync deadline
@@ -729,7 +734,14 @@ class TransferEngine:
         further byte of the request can touch our memory: its slots may be
         reused at once), -1 when safety was not reached by timeout seconds
         (None: the engine default), with the reason in last_error(). An
-        aborted request id cannot be used again: take a new one."""
+        aborted request id cannot be used again: take a new one.
+
+        An abort stops only the transfers that carry request_id (the
+        ``request_id=`` keyword of the transfer calls). Transfers without
+        one, which is every transfer of code written for Mooncake (SGLang's
+        and vLLM's wrappers pass none), are not stopped by it: they are
+        stopped only by :meth:`fence_memory` of their pages (or by
+        unregistering the memory)."""
         rid = _uint(request_id, "request_id")
         names = [initiators] if isinstance(initiators, (str, bytes)) else list(initiators)
         enc = [_str(n, "initiators").encode() for n in names]
@@ -742,6 +754,57 @@ class TransferEngine:
         if code != _lib.OK or not res.safe:
             return self._fail(code if code != _lib.OK else _lib.ERR_TIMEOUT, self._err())
         return 0
+
+    def fence_memory(self, addrs: List[int], lengths: List[int], timeout: Optional[float] = None) -> int:
+        """kvferry extension, owner side: fences the ranges [addrs[i],
+        +lengths[i]) of our registered memory. From the call on every
+        transfer into or out of them planned before it is refused, whatever
+        its request id (none included) and whichever peer sent it, and
+        whatever that peer does next (slow, paused, retrying); transfers
+        planned after the call pass. Returns 0 when safe: no such transfer
+        can write into or read from those bytes any more, so the pages may
+        be freed and handed to the next request at once. Returns -1 when
+        safety was not reached by ``timeout`` seconds (None: the engine
+        default, the transfer timeout), logged as a WARNING with the
+        reason, or for invalid arguments (lists of different sizes, no
+        ranges, a zero length, a range outside memory registered here),
+        logged as an ERROR; ``last_error()`` has the code and the reason.
+
+        When decode should call it: before it frees (or reuses) the KV pages
+        of a room that a prefill peer may still be writing, when that peer
+        passes no request id, as SGLang's and vLLM's Mooncake wrappers do
+        today: a request aborted, timed out or failed on the prefill side,
+        or decode giving up on it, leaves writes of the room on the wire or
+        queued in a paused or retrying prefill. Fence the room's page ranges
+        (every layer's K and V pages, and its aux buffer), then free them.
+        Tell the writer about pages only after the call returned, as a
+        decode does when it hands them to a new room: its transfers into
+        them are then planned after the fence and pass.
+
+        How it differs from :meth:`abort`: ``abort(request_id)`` stops only
+        the transfers that carry that request id, whatever memory they
+        touch; transfers without a request id are stopped only by
+        ``fence_memory`` of the memory they touch."""
+        a = _uint_array(addrs, "addrs")
+        n = _uint_array(lengths, "lengths")
+        e = self._require()
+        if len(a) != len(n):
+            return self._fail(_lib.ERR_INVALID, f"fence_memory: {len(a)} addrs and {len(n)} lengths")
+        count = len(a)
+        pa = (c_uint64 * count).from_buffer(a) if count else None
+        pl = (c_uint64 * count).from_buffer(n) if count else None
+        ms = _lib.TIMEOUT_DEFAULT if timeout is None else self._ms(timeout)
+        res = _lib.FenceResult()
+        res.struct_size = ctypes.sizeof(res)
+        res.safe = 0xFFFFFFFF  # the library writes 0 or 1 once the fence ran
+        code = self._lib.kvf_fence_memory(e, pa, pl, count, ms, byref(res))
+        if code == _lib.OK:
+            return 0
+        msg = self._err()
+        if res.safe == 0:
+            # Not safe is an outcome of the fence, not a failed call.
+            return self._fail(code, msg, level=logging.WARNING)
+        return self._fail(code, msg)
 
     # -------------------------------------------------------------- internals
 
@@ -776,10 +839,11 @@ class TransferEngine:
         """This thread's kvf_last_error(), read right after the failed call."""
         return self._lib.kvf_last_error().decode(errors="replace")
 
-    def _fail(self, code: int, message: str) -> int:
-        """Records a failure for last_error(), logs it, returns -1."""
+    def _fail(self, code: int, message: str, level: int = logging.ERROR) -> int:
+        """Records a failure for last_error(), logs it (ERROR unless level
+        says otherwise), returns -1."""
         self._tls.err = (code, message)
-        log.error("%s", message)
+        log.log(level, "%s", message)
         return -1
 
     def _memory_code(self, code: int) -> int:

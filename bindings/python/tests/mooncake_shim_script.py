@@ -127,6 +127,9 @@ def peer_main(impl: str, conn: Connection, local_hostname: str = HOST) -> None:
         "call": lambda method, *args, **kw: getattr(engine, method)(*args, **kw),
         "abort_then_fill": lambda rid, initiators, timeout, addr, n, byte:
             _abort_then_fill(engine, rid, initiators, timeout, addr, n, byte),
+        "fence_then_fill": lambda addrs, lengths, timeout, addr, n, byte:
+            _fence_then_fill(engine, addrs, lengths, timeout, addr, n, byte),
+        "stats": lambda: _kvferry_stats(engine),
         "pid": lambda: os.getpid(),
         "addrs": lambda: [ctypes.addressof(b) for b in mem.keep],
     }
@@ -176,6 +179,30 @@ def _abort_then_fill(engine: Any, rid: int, initiators: List[str], timeout: floa
     if ret == 0:
         ctypes.memset(addr, byte, n)
     return ret, took
+
+
+def _fence_then_fill(engine: Any, addrs: List[int], lengths: List[int], timeout: float, addr: int, n: int,
+                     byte: int) -> Tuple[int, float]:
+    """Owner side of a fence by memory range (kvferry only): fences the
+    ranges, and when it is safe reuses [addr, +n) at once (fills it).
+    Returns (fence_memory's return, seconds it took)."""
+    t = time.perf_counter()
+    ret = engine.fence_memory(addrs, lengths, timeout)
+    took = time.perf_counter() - t
+    if ret == 0:
+        ctypes.memset(addr, byte, n)
+    return ret, took
+
+
+def _kvferry_stats(engine: Any) -> Dict[str, int]:
+    """The counters of a kvferry engine (kvf_engine_stats), by field name."""
+    from kvferry import _lib
+
+    s = _lib.Stats()
+    s.struct_size = ctypes.sizeof(s)
+    if engine._lib.kvf_engine_stats(engine._engine, ctypes.byref(s)) != 0:
+        raise RuntimeError(engine._lib.kvf_last_error().decode())
+    return {name: getattr(s, name) for name, _ in s._fields_}
 
 
 class Peer:

@@ -8,6 +8,9 @@
 - the PD abort scenario: decode aborts a request mid-transfer from a prefill
   process, reuses the slots at once, and they keep the new pattern; the
   prefill's tasks end ABORTED and it gets the ABORTED event;
+- fences by memory range: pages a peer wrote with no request id are fenced
+  (every form of range the binding takes), the peer's next request into
+  them lands; argument errors; a fence that is not safe is a result;
 - grants and revoke, notifications and events (with the event fd), BusyError
   from a full event queue, stats;
 - bad inputs give clear exceptions (or the library's codes) and never crash
@@ -27,6 +30,7 @@ import sys
 import threading
 import time
 import types
+from array import array
 from typing import Any
 
 import pytest
@@ -36,6 +40,7 @@ from kvferry import (
     AbortResult,
     Event,
     EventType,
+    FenceResult,
     Op,
     Request,
     TaskState,
@@ -333,6 +338,146 @@ def test_pd_abort_mid_transfer_then_reuse() -> None:
             assert_bytes_equal(view, pattern(NEXT_SEED, SLOT), "the next request's WRITE into the reused slots")
             prefill.join()
         decode.unregister(slots)
+
+
+# --------------------------------------------------------------------------
+# Fences by memory range (two engines of this process)
+# --------------------------------------------------------------------------
+
+def test_fence_then_the_next_request_into_the_pages_lands() -> None:
+    """The owner fences pages the initiator wrote with no request id (as
+    SGLang's and vLLM's Mooncake wrappers write): each fence is safe at the
+    next epoch and tells the initiator; once the initiator applied it, its
+    next WRITE into the same pages, planned after the fence, lands. Every
+    form of range the binding takes names the right bytes (a range outside
+    registered memory would be refused)."""
+    with engine_pair() as (owner, init, seg):
+        kv = bytearray(4 * MiB)
+        kv_addr = owner.register(kv)
+        view = memoryview(kv)
+        own_buf = owner.alloc_buffer(MiB)
+        src = init.alloc_buffer(4 * MiB)
+        src.write(pattern(1, 4 * MiB))
+        init.write(seg, src, kv_addr, 4 * MiB)  # request id 0
+        assert_bytes_equal(view, pattern(1, 4 * MiB), "the first WRITE")
+
+        forms = [
+            [(kv_addr, MiB)],                                 # (address, length)
+            [(kv_addr, 4096), (kv_addr + 2 * MiB, 8192)],     # several
+            kv,                                               # a registered object, whole
+            [(kv, 64 * KiB)],                                 # its first bytes
+            own_buf,                                          # a Buffer from alloc_buffer
+            [own_buf, (own_buf, 4096)],                       # Buffers in a list
+        ]
+        for epoch, ranges in enumerate(forms, start=1):
+            res = owner.fence(ranges, timeout=5)
+            assert isinstance(res, FenceResult)
+            assert res.safe and res.epoch == epoch and res.reason == "" and res.code == 0, (ranges, res)
+            assert res.peers_told >= 1 and res.peers_acked <= res.peers_told and res.peers_cut == 0, res
+        res = owner.fence_many([kv_addr + i * 64 * KiB for i in range(64)], 4096, timeout=5)
+        assert res.safe and res.epoch == len(forms) + 1, res
+        res = owner.fence_many(array("Q", [kv_addr, kv_addr + MiB]), [MiB, 3 * MiB])
+        assert res.safe and res.epoch == len(forms) + 2, res
+        fences = len(forms) + 2
+
+        # The initiator acknowledges a notice once it applied it: from then
+        # on its transfers carry the new epoch.
+        wait_until(lambda: owner.stats().fence_acks >= fences, 10, "the initiator acknowledged every fence")
+        st = owner.stats()
+        assert st.fences_safe == fences and st.fences_not_safe == 0 and st.fence_epoch == fences, st
+        assert st.fence_refused == 0, st
+        assert init.stats().fences_received >= fences
+
+        # The next request: a WRITE with no request id into the same pages.
+        src.write(pattern(2, 4 * MiB))
+        init.write(seg, src, kv_addr, 4 * MiB)
+        assert_bytes_equal(view, pattern(2, 4 * MiB), "the next request's WRITE into the fenced pages")
+        init.write_many(seg, [src.addr], [own_buf.addr], MiB)
+        assert own_buf.read(16) == pattern(2, 16)
+        assert owner.stats().fence_refused == 0
+        view.release()
+        owner.unregister(kv)
+
+
+def test_fence_arguments_are_checked() -> None:
+    """Bad ranges raise (from Python, or the library's own status with a
+    message naming the range); nothing is fenced by a call that raised."""
+    with kvferry.Engine() as e:
+        mem = bytearray(64 * KiB)
+        base = e.register(mem)
+        unreg = (ctypes.c_char * (64 * KiB))()
+        ua = ctypes.addressof(unreg)
+
+        with pytest.raises(kvferry.NotRegisteredError, match="range 1") as ei:
+            e.fence([(base, 4096), (ua, 4096)])
+        assert ei.value.code == _lib.ERR_NOT_REGISTERED and "kvf_fence_memory" in ei.value.message
+        with pytest.raises(kvferry.NotRegisteredError):
+            e.fence([(base + 60 * KiB, 8 * KiB)])  # runs past the registration
+        with pytest.raises(kvferry.NotRegisteredError):
+            e.fence(unreg)
+        with pytest.raises(kvferry.InvalidArgumentError, match="no ranges"):
+            e.fence([])
+        with pytest.raises(kvferry.InvalidArgumentError, match="range 1 length is 0"):
+            e.fence_many([base, base + 4096], [4096, 0])
+        with pytest.raises(kvferry.InvalidArgumentError, match="first page"):
+            e.fence_many([16], [4096])
+        with pytest.raises(kvferry.InvalidArgumentError, match="KVF_FENCE_RANGES_MAX"):
+            e.fence_many([base] * (_lib.FENCE_RANGES_MAX + 1), 64)
+        with pytest.raises(ValueError, match="range 0: length 0"):
+            e.fence([(base, 0)])
+        with pytest.raises(ValueError):
+            e.fence([(base, 4096)], timeout=0)
+        with pytest.raises(TypeError, match="needs a length"):
+            e.fence([base])
+        with pytest.raises(TypeError, match="range 1"):
+            e.fence([(base, 4096), "text"])
+        with pytest.raises(TypeError):
+            e.fence([(base, 4096, 1)])
+        with pytest.raises(TypeError):
+            e.fence_many(base, 4096)
+        with pytest.raises(ValueError):
+            e.fence_many([base, base], [4096])  # columns of different lengths
+        st = e.stats()
+        assert st.fence_epoch == 0 and st.fences_safe == 0 and st.fences_not_safe == 0, st
+        assert e.fence([(base, 4096)], timeout=1).epoch == 1
+        e.unregister(mem)
+    with pytest.raises(kvferry.EngineClosedError):
+        e.fence([(base, 4096)])
+
+
+class _NotSafeLibrary:
+    """The library with kvf_fence_memory answering "not safe" as it does at
+    a deadline (safe written as 0, KVF_ERR_TIMEOUT, a reason): a real one
+    needs a copy stuck past the deadline."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        self.reason = b"kvf_fence_memory: fence of 1 ranges: not safe: copies still in progress at the deadline"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+    def kvf_fence_memory(self, engine: Any, addrs: Any, lengths: Any, n: int, ms: int, out: Any) -> int:
+        res = ctypes.cast(out, ctypes.POINTER(_lib.FenceResult)).contents
+        res.safe, res.epoch, res.peers_told, res.peers_acked, res.peers_cut = 0, 7, 2, 1, 0
+        return _lib.ERR_TIMEOUT
+
+    def kvf_last_error(self) -> bytes:
+        return self.reason
+
+
+def test_a_fence_that_is_not_safe_is_a_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvferry.engine as kengine
+
+    with kvferry.Engine() as e:
+        mem = bytearray(4096)
+        base = e.register(mem)
+        fake = _NotSafeLibrary(_lib.lib())
+        monkeypatch.setattr(kengine, "_L", lambda: fake)
+        res = e.fence([(base, 4096)], timeout=1)
+        assert res == FenceResult(False, 7, 2, 1, 0, fake.reason.decode(), _lib.ERR_TIMEOUT), res
+        monkeypatch.undo()
+        e.unregister(mem)
 
 
 # --------------------------------------------------------------------------
@@ -862,7 +1007,9 @@ def test_errors_are_typed_and_picklable() -> None:
     assert isinstance(kvferry.error_for(_lib.ERR_INVALID, "m"), ValueError)
     assert isinstance(kvferry.error_for(_lib.ERR_UNREACHABLE, "m"), ConnectionError)
     assert type(kvferry.error_for(999, "m")) is kvferry.UnknownStatusError
-    for code in range(1, _lib.ERR_TRUNCATED + 1):
+    fenced = kvferry.error_for(_lib.ERR_FENCED, "m")
+    assert type(fenced) is kvferry.FencedError and isinstance(fenced, kvferry.RefusedError)
+    for code in range(1, _lib.ERR_FENCED + 1):
         e = kvferry.error_for(code, "msg")
         assert e.code == code and type(e) is not kvferry.UnknownStatusError
         assert pickle.loads(pickle.dumps(e)).code == code

@@ -29,9 +29,11 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import mooncake_shim_script as script  # noqa: E402
+from _helpers import wait_until  # noqa: E402
 from kvferry import _lib  # noqa: E402
 from kvferry.mooncake import TransferEngine, TransferOpcode, _mc_timeout_seconds  # noqa: E402
 
+KiB = 1 << 10
 MiB = 1 << 20
 HOST = "127.0.0.1"
 
@@ -288,6 +290,155 @@ def test_pd_abort_mid_transfer_then_reuse(engine: TransferEngine, peer: script.P
         assert caught >= 1, "no abort landed while the transfer was in flight in 3 attempts"
     finally:
         assert engine.unregister_memory(local) == 0
+
+
+# --------------------------------------------------------------------- fence
+
+
+def test_fence_memory_then_the_next_write_lands(engine: TransferEngine, peer: script.Peer) -> None:
+    """Decode (the peer) owns pages that prefill (us) wrote with no request
+    id, with transfer_sync_write and batch_transfer_sync_write as SGLang's
+    wrapper does. Decode fences the room's page ranges before freeing them
+    (fence_memory returns 0); prefill's next writes into the same pages,
+    planned after the fence, succeed and land."""
+    size, page, n = 2 * MiB, 64 * KiB, 16
+    pages = peer("alloc", size)
+    b, local = buf(size)
+    assert engine.register_memory(local, size) == 0
+    srcs = [local + MiB + i * page for i in range(n)]
+    dsts = [pages + MiB + i * page for i in range(n)]
+    try:
+        before = peer("stats")
+        first = pattern(11, size)
+        ctypes.memmove(local, first, size)
+        assert engine.transfer_sync_write(peer.session, local, pages, MiB) == 0
+        assert engine.batch_transfer_sync_write(peer.session, srcs, dsts, [page] * n) == 0
+        assert peer("get", pages, size) == first
+        # Decode frees the room: every page run it handed out, fenced first.
+        assert peer.call("fence_memory", [pages] + dsts, [MiB] + [page] * n, 5.0) == 0
+        st = peer("stats")
+        assert st["fences_safe"] == before["fences_safe"] + 1 and st["fence_epoch"] == before["fence_epoch"] + 1
+        # We acknowledge the notice once we applied it: from then on our
+        # transfers are planned under the new epoch.
+        wait_until(lambda: peer("stats")["fence_acks"] > before["fence_acks"], 10, "prefill acknowledged the fence")
+        second = pattern(12, size)
+        ctypes.memmove(local, second, size)
+        assert engine.transfer_sync_write(peer.session, local, pages, MiB) == 0, engine.last_error()
+        assert engine.batch_transfer_sync_write(peer.session, srcs, dsts, [page] * n) == 0, engine.last_error()
+        assert peer("get", pages, size) == second
+        assert peer("stats")["fence_refused"] == before["fence_refused"]
+    finally:
+        assert engine.unregister_memory(local) == 0
+
+
+def test_pd_fence_mid_transfer_then_reuse(engine: TransferEngine, peer: script.Peer) -> None:
+    """The PD scenario without request ids: prefill (us) writes 64 MiB into
+    decode's (the peer's) slots with batch_transfer_async_write and no
+    request id; decode fences the slots while that is under way and refills
+    them as soon as fence_memory returned 0. No byte of the old transfer
+    lands afterwards, prefill's batch ends -1 with ERR_FENCED (an abort
+    could not have stopped it: it carries no request id), and prefill's
+    next write into the slots lands."""
+    size = 64 * MiB
+    slots = peer("alloc", size)
+    b, local = buf(size, b"\x5a")
+    assert engine.register_memory(local, size) == 0
+    caught = 0
+    try:
+        for attempt in range(3):
+            peer("fill", slots, size, 0)
+            acks = peer("stats")["fence_acks"]
+            n = 64
+            bid = engine.batch_transfer_async_write(peer.session, [local + i * MiB for i in range(n)],
+                                                    [slots + i * MiB for i in range(n)], [MiB] * n)
+            assert bid != 0
+            ret, took = peer("fence_then_fill", [slots], [size], 5.0, slots, size, 0xAB)
+            assert ret == 0, f"fence not safe after {took:.3f} s"
+            status = engine.get_batch_transfer_status([bid])
+            if status == -1:
+                assert engine.last_error()[0] == _lib.ERR_FENCED, engine.last_error()
+                caught += 1
+            else:
+                assert status == 0, engine.last_error()
+            # Whatever the timing, nothing of the old transfer is in the
+            # reused slots once the fence returned safe.
+            assert peer("count_not", slots, size, 0xAB) == 0
+            # The next request's write, planned after the fence, lands.
+            wait_until(lambda: peer("stats")["fence_acks"] > acks, 10, "prefill acknowledged the fence")
+            fresh = pattern(attempt, MiB)
+            ctypes.memmove(local + 5 * MiB, fresh, MiB)
+            assert engine.transfer_sync_write(peer.session, local + 5 * MiB, slots, MiB) == 0, engine.last_error()
+            assert peer("get", slots, MiB) == fresh
+            assert peer("count_not", slots + MiB, size - MiB, 0xAB) == 0
+            ctypes.memset(local + 5 * MiB, 0x5A, MiB)
+            if caught:
+                break
+        assert caught >= 1, "no fence struck while the transfer was in flight in 3 attempts"
+    finally:
+        assert engine.unregister_memory(local) == 0
+
+
+def test_fence_memory_argument_errors_return_minus_one(engine: TransferEngine,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    size = 64 * KiB
+    mem, addr = buf(size)
+    other, other_addr = buf(size)  # never registered
+    assert engine.register_memory(addr, size) == 0
+    try:
+        for addrs, lengths, code, text in [
+            ([addr, addr + 4096], [4096], _lib.ERR_INVALID, "2 addrs and 1 lengths"),
+            ([], [], _lib.ERR_INVALID, "no ranges"),
+            ([addr, addr + 4096], [4096, 0], _lib.ERR_INVALID, "range 1 length is 0"),
+            ([16], [4096], _lib.ERR_INVALID, "first page"),
+            ([addr, other_addr], [4096, 4096], _lib.ERR_NOT_REGISTERED, "range 1"),
+            ([addr + size - 4096], [8192], _lib.ERR_NOT_REGISTERED, "not registered"),
+        ]:
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="kvferry.mooncake"):
+                assert engine.fence_memory(addrs, lengths) == -1, (addrs, lengths)
+            got, msg = engine.last_error()
+            assert got == code and text in msg, (addrs, lengths, got, msg)
+            assert [r.levelno for r in caplog.records] == [logging.ERROR], caplog.records
+        for bad in (("x", [1]), ([1.5], [4096]), ([-1], [4096]), ([addr], None)):
+            with pytest.raises(TypeError):
+                engine.fence_memory(*bad)  # type: ignore[arg-type]
+        assert engine.fence_memory([addr], [4096]) == 0
+        assert engine.fence_memory([addr, addr + 8192], [4096, 4096], 1.0) == 0
+    finally:
+        assert engine.unregister_memory(addr) == 0
+
+
+class _NotSafeLibrary:
+    """The library with kvf_fence_memory answering "not safe" as it does at
+    a deadline (safe written as 0, KVF_ERR_TIMEOUT, a reason): a real one
+    needs a copy stuck past the deadline."""
+
+    reason = b"kvf_fence_memory: fence of 1 ranges: not safe: copies still in progress at the deadline"
+
+    def __init__(self, lib: object) -> None:
+        self._lib = lib
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._lib, name)
+
+    def kvf_fence_memory(self, engine: object, addrs: object, lengths: object, n: int, ms: int,
+                         out: object) -> int:
+        res = ctypes.cast(out, ctypes.POINTER(_lib.FenceResult)).contents
+        res.safe, res.epoch = 0, 3
+        return _lib.ERR_TIMEOUT
+
+    def kvf_last_error(self) -> bytes:
+        return self.reason
+
+
+def test_fence_memory_not_safe_returns_minus_one_with_a_warning(
+        engine: TransferEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(engine, "_lib", _NotSafeLibrary(engine._lib))
+    with caplog.at_level(logging.WARNING, logger="kvferry.mooncake"):
+        assert engine.fence_memory([1 << 20], [4096], 0.5) == -1
+    assert engine.last_error() == (_lib.ERR_TIMEOUT, _NotSafeLibrary.reason.decode())
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, _NotSafeLibrary.reason.decode())]
 
 
 # --------------------------------------------------------------- deadlines
