@@ -183,7 +183,7 @@ func New(opts Options) (*Engine, error) {
 		pending: map[abortKey]*pendingAbort{}, tombs: map[tombKey]*tombstone{}, tombQueues: map[string][]uint64{},
 		events: make(chan Event, opts.EventQueue), efd: -1, maxTombOwners: MaxTombstoneOwners,
 		fenced: map[string]map[abortKey]struct{}{}, protoSaid: map[string]string{}, admitted: newAccessCache(),
-		fences: fence.New(uint64(time.Now().UnixNano())), planners: map[string]time.Time{}, pendFences: map[uint64]*pendingFence{},
+		fences: fence.New(0), planners: map[string]time.Time{}, pendFences: map[uint64]*pendingFence{},
 	}
 	e.closeCtx, e.cancel = context.WithCancel(context.Background())
 	plane, err := control.ListenWith(bindHost, opts.Port, control.Options{

@@ -607,7 +607,7 @@ kvf_status kvf_event_fd(kvf_engine engine, int *fd);
  * matter of timing); a fence refuses exactly those, for the bytes it covers. */
 
 /* Largest n of kvf_fence_memory. */
-#define KVF_FENCE_RANGES_MAX 65536
+#define KVF_FENCE_RANGES_MAX 524288
 
 /* Outcome of kvf_fence_memory. */
 typedef struct kvf_fence_result {
@@ -618,7 +618,8 @@ typedef struct kvf_fence_result {
     uint64_t epoch;       /* the fence's epoch: transfers planned from now
                              on carry it (or a later one) and pass */
     uint32_t peers_told;  /* peers sent the fence notice: those that fetched
-                             our descriptor lately, and rdma initiators */
+                             our descriptor or pinged us lately and hold a
+                             control connection to us, and rdma initiators */
     uint32_t peers_acked; /* of those, the ones that acknowledged it by the
                              return: their next transfers carry the epoch */
     uint32_t peers_cut;   /* rdma initiators whose QPs to us were moved to

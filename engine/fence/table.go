@@ -98,10 +98,12 @@ type Table struct {
 	folded atomic.Uint64
 }
 
-// New returns an empty table at epoch base. An engine starts at its start
-// time in nanoseconds, so that the epochs of a restarted owner exceed every
-// epoch of its earlier incarnation: a transfer stamped by an initiator that
-// has not noticed the restart is older than the new incarnation's fences.
+// New returns an empty table at epoch base (an engine starts at 0). A
+// restarted owner counts from its base again: an initiator that still holds
+// a higher epoch of the earlier incarnation has its stamps refused as never
+// issued, and starts afresh when it sees the owner's descriptor epoch below
+// its own; transfers planned against the earlier incarnation carry its
+// buffer keys, which the new one refuses anyway.
 func New(base uint64) *Table {
 	t := &Table{active: map[*guard]int{}, floor: base}
 	t.epoch.Store(base)

@@ -1201,7 +1201,7 @@ class Engine:
         or objects naming memory as for :meth:`register` (buffer protocol,
         NumPy arrays, tensors with ``data_ptr()``); or one Buffer or such
         object alone. Each must lie in memory this engine registered
-        (:class:`NotRegisteredError` otherwise); at most 65536 ranges, one
+        (:class:`NotRegisteredError` otherwise); at most 524288 ranges, one
         call into the library. Safe: the memory may be reused at once.
         NotSafe by the deadline (``timeout`` seconds; None: the engine's
         default) is returned (``safe=False`` with its reason), not raised;
