@@ -202,6 +202,9 @@ class TransferEngine:
     release the GIL (ctypes does so around each call into the library).
     """
 
+    # Mooncake exposes the opcodes on the class too.
+    TransferOpcode = TransferOpcode
+
     def __init__(self, transfer_timeout: Optional[float] = None) -> None:
         """Like Mooncake, reads ``MC_TRANSFER_TIMEOUT`` (seconds, at least 5,
         default 30) here. ``transfer_timeout`` (seconds, kvferry extension)
@@ -267,6 +270,14 @@ class TransferEngine:
         elif protocol == "rdma" and os.environ.get("MC_FORCE_TCP", "").lower() in ("1", "true", "yes", "on"):
             log.info("MC_FORCE_TCP=%s: protocol 'rdma' becomes 'tcp'", os.environ["MC_FORCE_TCP"])
             protocol = "tcp"
+        elif protocol not in ("tcp", "rdma", ""):
+            # Mooncake's usual build discovers its transports whatever the
+            # string says; SGLang passes MOONCAKE_PROTOCOL through (efa,
+            # nvlink, ascend...). kvferry has tcp and rdma: it takes what
+            # the host offers, and says so once.
+            log.warning("kvferry.mooncake: protocol %r is not one of kvferry's (tcp, rdma); using what this host "
+                        "offers (rdma where a device is usable, else tcp). Set KVFERRY_PROTOCOL to choose.", protocol)
+            protocol = "auto"
         try:
             host, port = _split_hostport(local_hostname)
         except ValueError as e:
@@ -319,10 +330,21 @@ class TransferEngine:
         return self.initialize(local_hostname, metadata_server, protocol, device_name)
 
     def get_engine(self) -> "TransferEngine":
-        """Mooncake returns its underlying C++ engine, which frameworks
-        hand on to components that share it (SGLang's HiCache). kvferry
-        has no separate object: this engine itself is returned."""
+        """Mooncake returns its underlying C++ engine. kvferry has no
+        separate object: this engine itself is returned, which is what code
+        that calls its methods needs. It cannot stand in for Mooncake's C++
+        engine: SGLang's HiCache with the Mooncake Store, which hands this
+        object to ``MooncakeDistributedStore.setup`` to share one engine,
+        fails there (pybind cannot cast it); run that store with an engine
+        of its own (a different device name or protocol keeps SGLang from
+        sharing)."""
         return self
+
+    def warmup_efa_segment(self, segment_name: str) -> int:
+        """Mooncake's EFA warm-up: kvferry has no EFA transport, so there
+        is nothing to warm up (0, as Mooncake without EFA answers)."""
+        _str(segment_name, "segment_name")
+        return 0
 
     def get_rpc_port(self) -> int:
         """The port peers reach this engine on (session id "host:port")."""

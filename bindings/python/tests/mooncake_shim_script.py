@@ -4,6 +4,7 @@ the real Mooncake, unchanged:
 
     python mooncake_shim_script.py --impl kvferry
     python mooncake_shim_script.py --impl mooncake     # needs mooncake-transfer-engine(-non-cuda)
+    python mooncake_shim_script.py --impl kvferry --fence-flow   # decode gives a room up mid-transfer
 
 A spawned "decode" process registers its KV cache (K and V buffers of every
 layer, with batch_register_memory) and an aux buffer, and hands its session
@@ -130,6 +131,9 @@ def peer_main(impl: str, conn: Connection, local_hostname: str = HOST) -> None:
         "fence_then_fill": lambda addrs, lengths, timeout, addr, n, byte:
             _fence_then_fill(engine, addrs, lengths, timeout, addr, n, byte),
         "stats": lambda: _kvferry_stats(engine),
+        "write_rooms": lambda session, rooms, threads: _write_rooms(engine, session, rooms, threads),
+        "count": lambda addrs, n, byte: sum(ctypes.string_at(a, n).count(bytes([byte])) for a in addrs),
+        "fill_pages": lambda addrs, n, byte: [ctypes.memset(a, byte, n) for a in addrs] and None,
         "pid": lambda: os.getpid(),
         "addrs": lambda: [ctypes.addressof(b) for b in mem.keep],
     }
@@ -194,6 +198,20 @@ def _fence_then_fill(engine: Any, addrs: List[int], lengths: List[int], timeout:
     return ret, took
 
 
+def _write_rooms(engine: Any, session: str, rooms: List[Tuple[List[int], List[int], List[int]]],
+                 threads: int) -> List[int]:
+    """Prefill as SGLang's conn.py sends KV: each room is one
+    batch_transfer_sync_write (source pages, destination pages, lengths; no
+    request id), the rooms run at once on a pool of threads. Returns each
+    room's return code, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        futures = [pool.submit(engine.batch_transfer_sync_write, session, srcs, dsts, lens)
+                   for srcs, dsts, lens in rooms]
+        return [f.result() for f in futures]
+
+
 def _kvferry_stats(engine: Any) -> Dict[str, int]:
     """The counters of a kvferry engine (kvf_engine_stats), by field name."""
     from kvferry import _lib
@@ -228,6 +246,14 @@ class Peer:
 
     def __call__(self, *cmd: Any, timeout: float = 60) -> Any:
         self.conn.send(cmd)
+        return self._reply(timeout)
+
+    def start(self, *cmd: Any) -> None:
+        """Sends a command without waiting; take its answer with result()."""
+        self.conn.send(cmd)
+
+    def result(self, timeout: float = 60) -> Any:
+        """The answer to the command start() sent."""
         return self._reply(timeout)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -339,11 +365,80 @@ def run_scenario(impl: str, seed: int = 1, verbose: bool = True) -> bool:
     return ok
 
 
+def run_fence_flow(impl: str, room_bytes: int = 256 << 20, page: int = 64 << 10, attempts: int = 3,
+                   fence: bool = True) -> Dict[str, Any]:
+    """SGLang's PD flow with decode giving a room up mid-transfer, in two
+    spawned processes: decode registers a KV pool; prefill sends four rooms
+    at once from a pool of threads, each one batch_transfer_sync_write of
+    scattered pages without a request id (room A large, three bystanders
+    small). When A's first bytes have landed, decode gives A up: it fences
+    A's pages (kvferry's fence_memory; with fence False, or on Mooncake,
+    which has none, it does not) and reuses them at once with its own
+    bytes. Then the next room is written into A's pages, told to prefill
+    only now, as decode's bootstrap does. Returns what each attempt saw;
+    attempts stop once the fence struck while A was in flight."""
+    decode, prefill = Peer(impl), Peer(impl)
+    try:
+        n = room_bytes // page
+        small = 16
+        pool = decode("alloc", (2 * n + 4 * small) * page)
+        src = prefill("alloc", (n + 4 * small + n) * page)
+        # A takes every other page of the first 2n; the bystanders the pages
+        # after; the next room A's pages again.
+        a_pages = [pool + 2 * i * page for i in range(n)]
+        b_pages = [[pool + (2 * n + r * small + i) * page for i in range(small)] for r in range(3)]
+        a_src = [src + i * page for i in range(n)]
+        b_src = [[src + (n + r * small + i) * page for i in range(small)] for r in range(3)]
+        next_src = [src + (n + 4 * small + i) * page for i in range(n)]
+        prefill("fill", src, n * page, 0x44)
+        for r in range(3):
+            prefill("fill", b_src[r][0], small * page, 0x61 + r)
+        prefill("fill", next_src[0], n * page, 0x55)
+        rooms = [(a_src, a_pages, [page] * n)] + [(b_src[r], b_pages[r], [page] * small) for r in range(3)]
+        out: List[Dict[str, Any]] = []
+        for _ in range(attempts):
+            decode("fill", pool, (2 * n + 4 * small) * page, 0)
+            prefill.start("write_rooms", decode.session, rooms, 4)
+            deadline = time.monotonic() + 60
+            probe = a_pages[::max(1, n // 64)]  # 64 pages across the room: the order pages land in is the engine's
+            while decode("count", probe, page, 0x44) == 0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no byte of room A landed within 60 s")
+            fence_ret, took = None, 0.0
+            if fence:
+                t = time.perf_counter()
+                fence_ret = decode("call", "fence_memory", a_pages, [page] * n, 5.0)
+                took = time.perf_counter() - t
+            decode("fill_pages", a_pages, page, 0xAB)  # reused at once
+            rets = prefill.result(300)
+            corrupt = decode("count", a_pages, page, 0x44)
+            bystanders_ok = all(decode("count", b_pages[r], page, 0x61 + r) == small * page for r in range(3))
+            next_ret = prefill("write_rooms", decode.session, [(next_src, a_pages, [page] * n)], 1)[0]
+            next_ok = decode("count", a_pages, page, 0x55) == n * page
+            out.append({"room_a": rets[0], "bystanders": rets[1:], "bystanders_ok": bystanders_ok,
+                        "fence": fence_ret, "fence_s": round(took, 4), "corrupt_bytes": corrupt,
+                        "next": next_ret, "next_ok": next_ok})
+            if rets[0] != 0:
+                break
+        return {"impl": impl, "fence": fence, "attempts": out}
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--impl", choices=("kvferry", "mooncake"), default="kvferry")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--fence-flow", action="store_true",
+                    help="run the PD flow where decode gives a room up mid-transfer (run_fence_flow); print JSON")
+    ap.add_argument("--no-fence", action="store_true", help="with --fence-flow: decode does not fence")
     args = ap.parse_args(argv)
+    if args.fence_flow:
+        import json
+
+        print(json.dumps(run_fence_flow(args.impl, fence=args.impl == "kvferry" and not args.no_fence)))
+        return 0
     ok = run_scenario(args.impl, args.seed)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1

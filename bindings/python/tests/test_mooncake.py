@@ -244,6 +244,52 @@ def test_script_against_real_mooncake() -> None:
     assert r.returncode == 0 and r.stdout.strip().endswith("PASS"), r.stdout + r.stderr[-4000:]
 
 
+# ------------------------------------------------------- the PD flow, fenced
+
+
+def _fence_flow(python: str, impl: str, *extra: str, **env: str) -> dict:
+    import json
+
+    r = subprocess.run([python, str(HERE / "mooncake_shim_script.py"), "--impl", impl, "--fence-flow", *extra],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_sglang_flow_decode_fences_a_room_it_gives_up() -> None:
+    """SGLang's PD flow in two spawned processes, as its wrapper drives the
+    engine: "rdma" on a host without RDMA and "localhost"; prefill sends
+    four rooms at once from a thread pool, each one batch_transfer_sync_write
+    of scattered pages with no request id. Decode gives the large room up
+    while it is landing: fence_memory of its pages returns 0, decode reuses
+    them at once, and no byte of the given-up room lands afterwards; the
+    bystander rooms complete intact, and the next room, written into the
+    same pages after the fence, completes. Without the fence the same flow
+    leaves the old room's bytes in the reused pages, so the test can fail."""
+    env = {"KVFERRY_SCRIPT_PROTOCOL": "rdma", "KVFERRY_SCRIPT_HOST": "localhost"}
+    fenced = _fence_flow(sys.executable, "kvferry", **env)
+    for a in fenced["attempts"]:
+        assert a["fence"] == 0 and a["corrupt_bytes"] == 0, a
+        assert a["bystanders"] == [0, 0, 0] and a["bystanders_ok"], a
+        assert a["next"] == 0 and a["next_ok"], a
+    assert fenced["attempts"][-1]["room_a"] == -1, f"the fence never struck while the room was landing: {fenced}"
+    unfenced = _fence_flow(sys.executable, "kvferry", "--no-fence", **env)
+    assert any(a["corrupt_bytes"] > 0 for a in unfenced["attempts"]), \
+        f"without the fence no old byte landed in the reused pages: the fenced run proves nothing ({unfenced})"
+    print(f"fenced: {fenced}\nunfenced: {unfenced}")
+
+
+@pytest.mark.skipif(not mooncake_python(), reason="mooncake is not importable (pip install "
+                    "mooncake-transfer-engine-non-cuda, or set KVFERRY_TEST_MOONCAKE_PYTHON to a Python that has it)")
+def test_sglang_flow_on_real_mooncake_for_comparison() -> None:
+    """The same flow on PyPI's Mooncake, which has no fence: recorded side
+    by side (decode's reused pages and the next room), asserting only that
+    the flow ran."""
+    res = _fence_flow(mooncake_python(), "mooncake")
+    assert res["attempts"], res
+    print(f"mooncake: {res}")
+
+
 # --------------------------------------------------------------------- abort
 
 
