@@ -99,3 +99,88 @@ func TestFenceAStaleStoreDoesNotMakeTheFencedPagesUnwritable(t *testing.T) {
 			failed, store.d.Load().FenceEpoch, res.Epoch)
 	}
 }
+
+// gatedResolver hands out the peer's current descriptor, but once armed
+// its next Resolve waits (a slow etcd, a GET_DESCRIPTOR in flight) until
+// released.
+type gatedResolver struct {
+	peer    *engine.Engine
+	armed   atomic.Bool
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (r *gatedResolver) Resolve(ctx context.Context, name string) (*control.Descriptor, error) {
+	if name != r.peer.Name() {
+		return nil, errors.New("gatedResolver knows only " + r.peer.Name())
+	}
+	if r.armed.CompareAndSwap(true, false) {
+		close(r.entered)
+		select {
+		case <-r.release:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	return r.peer.Descriptor(), nil
+}
+
+// cancelOwnTasks (fix 3 of the first review) cancels only the tasks it
+// finds listed in a live batch. A Submit called before Fence whose tasks
+// are not listed yet is missed: Batch.Submit plans (resolves remote keys,
+// which may fetch the descriptor again) before it stamps and lists its
+// tasks, and the fetch can take up to the Submit's ctx. So a READ this
+// engine submitted into its own pages before it fenced them lands in them
+// after Fence returned Safe, in pages already handed to the next request.
+// Nothing decided by what anyone issued: the READ's local memory carries no
+// stamp, and Fence never waits for Submits in progress.
+//
+// Here the engine submits a READ from a peer buffer registered after the
+// segment was opened (so the plan refreshes the descriptor; the Resolver
+// holds that fetch), fences its own landing pages while the Submit is in
+// its plan, and reuses them once Fence says Safe; then the fetch returns.
+// Fence may instead report not Safe (it could wait for the Submit); it must
+// not report Safe and let the READ land.
+func TestFenceStopsTheEnginesOwnTransfersBeingSubmitted(t *testing.T) {
+	const size = 4 << 20
+	peer := newEngineWith(t, engine.Options{})
+	gate := &gatedResolver{peer: peer, entered: make(chan struct{}), release: make(chan struct{})}
+	e := newEngineWith(t, engine.Options{Resolver: gate})
+	into := alloc(t, e, size)
+	seg := openSegment(t, e, peer.Name())
+	from := alloc(t, peer, size) // not in e's cached descriptor: the plan refreshes it
+	fillByte(from, oldByte)
+
+	gate.armed.Store(true)
+	b, err := e.AllocateBatch(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Cancel(); _ = b.Free() })
+	submitted := make(chan error, 1)
+	go func() { submitted <- b.Submit(testCtx(t, time.Minute), []engine.Request{read(into, seg, engine.AddrOf(from), size)}) }()
+	<-gate.entered // the Submit is planning: called, not yet listed
+
+	res, err := e.Fence(testCtx(t, 5*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(into), Len: size}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	close(gate.release)
+	if !res.Safe {
+		t.Logf("fence not Safe (%v): the application does not reuse the pages", res.Reason)
+		if err := <-submitted; err == nil {
+			waitBatch(t, b, 60*time.Second)
+		}
+		return
+	}
+	fillByte(into, reusedByte) // Safe: the pages go to the next request
+	if err := <-submitted; err != nil {
+		t.Logf("submit: %v", err)
+	} else {
+		got := waitBatch(t, b, 60*time.Second)[0]
+		t.Logf("READ submitted before the fence: %v, %d bytes (%v)", got.Status, got.Transferred, got.Err)
+	}
+	if n := bytes.Count(into, []byte{oldByte}); n != 0 {
+		t.Fatalf("%d bytes of a READ submitted before Fence landed in the fenced pages after Fence returned Safe", n)
+	}
+}
