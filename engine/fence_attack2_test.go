@@ -184,3 +184,81 @@ func TestFenceStopsTheEnginesOwnTransfersBeingSubmitted(t *testing.T) {
 		t.Fatalf("%d bytes of a READ submitted before Fence landed in the fenced pages after Fence returned Safe", n)
 	}
 }
+
+// lateResolver models a GET_DESCRIPTOR answered just before a fence and
+// taken by the initiator just after the FENCE notice (the notice's handler
+// runs on the plane's loop, the refresh on the submitter's goroutine):
+// once armed, its next Resolve reads the owner's descriptor, then returns
+// it only after the initiator handled a FENCE.
+type lateResolver struct {
+	owner   *engine.Engine
+	init    atomic.Pointer[engine.Engine]
+	armed   atomic.Bool
+	fetched chan struct{}
+}
+
+func (r *lateResolver) Resolve(ctx context.Context, name string) (*control.Descriptor, error) {
+	if name != r.owner.Name() {
+		return nil, errors.New("lateResolver knows only " + r.owner.Name())
+	}
+	d := r.owner.Descriptor()
+	if r.armed.CompareAndSwap(true, false) {
+		close(r.fetched)
+		for r.init.Load().Stats().FencesReceived == 0 {
+			select {
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			case <-time.After(time.Millisecond): // polling a condition
+			}
+		}
+	}
+	return d, nil
+}
+
+// The reset on a lower descriptor epoch fires in the very race its comment
+// names ("a descriptor overtaken by a FENCE"), and that race is the normal
+// flow of a busy writer: a refresh (here for pages the owner registered
+// after the segment was opened) fetches the descriptor just before a fence
+// of other pages and stores it just after the writer applied the FENCE
+// and acknowledged it. The reset throws the fence away: the writer stamps
+// its next transfers with the older epoch, and the next request into the
+// fenced pages, which the owner handed out only after Fence returned (with
+// the writer among Acked), is refused. "Starting afresh costs at most a
+// refusal" is exactly what promise 7 rules out: "the next request's
+// transfers never fail because of the fence".
+func TestFenceADescriptorOvertakenByTheNoticeDoesNotUndoIt(t *testing.T) {
+	const size = 1 << 20
+	owner := newEngineWith(t, engine.Options{})
+	late := &lateResolver{owner: owner, fetched: make(chan struct{})}
+	init := newEngineWith(t, engine.Options{Resolver: late})
+	late.init.Store(init)
+	dst, src := alloc(t, owner, size), alloc(t, init, size)
+	seg := openSegment(t, init, owner.Name())
+	fillByte(src, oldByte)
+	transfer(t, init, 30*time.Second, write(src, seg, engine.AddrOf(dst), size)) // the room's pages, written
+
+	other := alloc(t, owner, size) // registered later: the next plan refreshes
+	late.armed.Store(true)
+	wrote := make(chan error, 1)
+	go func() {
+		_, err := init.Transfer(testCtx(t, 30*time.Second), []engine.Request{write(src, seg, engine.AddrOf(other), size)})
+		wrote <- err
+	}()
+	<-late.fetched // the descriptor is read, fence epoch 0
+
+	res, err := owner.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(dst), Len: size}})
+	if err != nil || !res.Safe {
+		t.Fatalf("fence = %+v, %v; want Safe", res, err)
+	}
+	if err := <-wrote; err != nil {
+		t.Fatalf("the WRITE into other pages: %v", err)
+	}
+	t.Logf("fence epoch %d told %v acked %v", res.Epoch, res.Told, res.Acked)
+	// Fence returned: the owner hands dst to the next request.
+	fillPattern(src, 31)
+	got, err := init.Transfer(testCtx(t, 30*time.Second), []engine.Request{write(src, seg, engine.AddrOf(dst), size)})
+	if err != nil || got[0].Status != engine.Completed {
+		t.Fatalf("the next request's WRITE into the fenced pages, planned after Fence returned and after the writer acknowledged the fence, failed: %v", err)
+	}
+	requireEqual(t, "the next request's pages", dst, src)
+}
