@@ -205,6 +205,13 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	}
 	b.mu.Unlock()
 
+	// The fence epochs are read before anything else: a transfer is
+	// planned under what its owner had told us when Submit was called, so
+	// one that straddles a fence (planning, refreshing a descriptor) is
+	// refused where the fence covers it. ours is our own epoch, for the
+	// local memory the transfers read from or land in.
+	stamps := e.fenceStamps(ctx, reqs)
+	ours := e.fences.Epoch()
 	tasks, sl, err := b.plan(ctx, reqs)
 	if err != nil {
 		return err // the slab is left to the GC: plan may have failed mid-way
@@ -214,11 +221,12 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	// (see handleAbort).
 	var aborted []*task
 	anyRID := slices.ContainsFunc(tasks, func(t *task) bool { return t.req.RequestID != 0 })
-	// Shared with FENCE's handler too: each task is stamped with its
-	// owner's fence epoch either before a fence was learned or after it
-	// (see handleFence), never half-way.
+	// Shared with Fence: a fence of our own memory published before this
+	// point is seen below; one published after finds these tasks listed
+	// in the batch (Fence waits for abortMu between the two).
 	e.abortMu.RLock()
-	stampFences(tasks)
+	stampFences(tasks, stamps)
+	ownFenced := e.ownMemoryFenced(tasks, ours)
 	if anyRID {
 		if len(e.tombs) > 0 {
 			for _, t := range tasks {
@@ -267,32 +275,74 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 		for _, t := range aborted {
 			t.abort()
 		}
+	}
+	if len(ownFenced) > 0 {
+		// Our own memory they read from or land in was fenced while they
+		// were planned: they end CANCELED unposted, as Fence cancels
+		// those it finds in flight.
+		b.tainted.Store(true)
+		cut := map[*pathRef][]*transport.Slice{}
+		for _, t := range ownFenced {
+			t.cancel(Canceled, cut)
+		}
+	}
+	if len(aborted) > 0 || len(ownFenced) > 0 {
 		tasks = slices.DeleteFunc(slices.Clone(tasks), func(t *task) bool { return t.final.Load() != 0 })
 	}
 	b.post(ctx, tasks, sl)
 	return nil
 }
 
-// stampFences stamps each task, and its slices, with the fence epoch its
-// owner told us last (our own, for the local segment): the owner refuses
-// them for ranges it fences later.
-func stampFences(tasks []*task) {
+// fenceStamps returns, per request, the fence epoch its segment's owner
+// told us last (our own for the local segment). A segment whose last
+// transfer was refused as fenced first asks its owner (fenceResync).
+func (e *Engine) fenceStamps(ctx context.Context, reqs []Request) []uint64 {
+	stamps := make([]uint64, len(reqs))
 	var seg *Segment
 	var ep uint64
-	for _, t := range tasks {
-		if s := t.req.Segment; s != seg {
+	for i := range reqs {
+		s := reqs[i].Segment
+		if s == nil || s.e != e {
+			continue // plan refuses it
+		}
+		if s != seg {
 			seg = s
 			if s.self {
-				ep = s.e.fences.Epoch()
+				ep = e.fences.Epoch()
 			} else {
+				s.fenceResync(ctx)
 				ep = s.fences.Epoch()
 			}
 		}
-		t.epoch = ep
+		stamps[i] = ep
+	}
+	return stamps
+}
+
+// stampFences stamps each task, and its slices, with its request's stamp:
+// the owner refuses them for ranges it fenced later.
+func stampFences(tasks []*task, stamps []uint64) {
+	for i, t := range tasks {
+		t.epoch = stamps[i]
 		for j := range t.slices {
-			t.slices[j].Epoch = ep
+			t.slices[j].Epoch = stamps[i]
 		}
 	}
+}
+
+// ownMemoryFenced returns the tasks whose local memory a fence of ours,
+// published since ours was read, covers. Called with abortMu shared.
+func (e *Engine) ownMemoryFenced(tasks []*task, ours uint64) []*task {
+	if e.fences.Epoch() == ours {
+		return nil
+	}
+	var hit []*task
+	for _, t := range tasks {
+		if e.fences.Check(ours, t.req.Local, t.req.Length) != nil {
+			hit = append(hit, t)
+		}
+	}
+	return hit
 }
 
 // plan validates the requests and cuts them into slices.
@@ -576,13 +626,14 @@ func (t *task) finish() {
 	} else if t.err != nil {
 		st = Failed
 		if errors.Is(t.err, ErrRefused) && (errors.Is(t.err, ErrStaleKey) || errors.Is(t.err, ErrFenced)) {
-			// Refresh before the next plan: new keys, or the owner's
-			// fence epoch when its notice did not reach us (and ask the
-			// owner itself, for a descriptor from a Resolver's store may
-			// be older than the fence).
-			t.req.Segment.stale.Store(true)
+			// Before the next plan: a stale key refreshes the
+			// descriptor; a fence we were not told of (or a stamp we
+			// hold that the owner never issued) asks the owner its
+			// epoch, which a descriptor from a Resolver's store may lag.
 			if errors.Is(t.err, ErrFenced) {
-				t.req.Segment.askFenceEpoch()
+				t.req.Segment.fencedStale.Store(true)
+			} else {
+				t.req.Segment.stale.Store(true)
 			}
 		}
 		t.err = fmt.Errorf("%s of [%#x, +%d) at %s: %w: %w", t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, ErrTransferFailed, t.err)

@@ -107,6 +107,7 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 		e.stats.fencesSafe.Add(1)
 		return FenceResult{Safe: true}, nil
 	}
+	rs = fence.Normalize(rs)
 	ep, inProgress, err := e.fences.Fence(rs)
 	if err != nil {
 		return FenceResult{}, fmt.Errorf("fence: %w: %w", ErrInvalidArg, err)
@@ -151,7 +152,11 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 	if len(names) == 0 {
 		close(pf.done)
 	} else {
-		msg = control.FenceMsg{Epoch: ep, Floor: floor, Ranges: e.fencedRanges(ep)}.Encode()
+		cr := make([]control.FenceRange, len(rs))
+		for i, r := range rs {
+			cr[i] = control.FenceRange{Addr: r.Addr, Len: r.Len}
+		}
+		msg = control.FenceMsg{Epoch: ep, Floor: floor, Ranges: cr}.Encode()
 		e.rememberFence(pf)
 		// On a connection that exists; resent below while Fence waits
 		// (a full send queue drops it), never after: a planner that
@@ -165,8 +170,13 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 
 	// This engine's own transfers whose local memory lies in the ranges
 	// (a READ landing in them, a WRITE reading from them) were planned
-	// before too: they are canceled, and waited for.
-	if err := e.cancelOwnTasks(ctx, e.fences.Ranges(ep)); err != nil && reason == nil {
+	// before too: they are canceled, and waited for. A Submit between
+	// its stamp and listing its tasks holds abortMu shared: once we had
+	// it, each such Submit either listed its tasks (found below) or will
+	// see this fence (ownMemoryFenced).
+	e.abortMu.Lock()
+	e.abortMu.Unlock() //nolint:staticcheck // an empty critical section: a barrier
+	if err := e.cancelOwnTasks(ctx, rs); err != nil && reason == nil {
 		reason = err
 	}
 	if inProgress != nil && reason == nil {
@@ -288,22 +298,6 @@ func (e *Engine) registeredSpan(addr, n uint64) error {
 		addr, n = addr+step, n-step
 	}
 	return nil
-}
-
-// fencedRanges returns the ranges of the fence of epoch ep, as a notice
-// carries them.
-func (e *Engine) fencedRanges(ep uint64) []control.FenceRange {
-	_, fences := e.fences.Since(ep - 1)
-	var out []control.FenceRange
-	for _, f := range fences {
-		if f.Epoch == ep {
-			out = make([]control.FenceRange, len(f.Ranges))
-			for i, r := range f.Ranges {
-				out[i] = control.FenceRange{Addr: r.Addr, Len: r.Len}
-			}
-		}
-	}
-	return out
 }
 
 // notePlanner records that peer fetched our descriptor: it may plan

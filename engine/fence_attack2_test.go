@@ -158,7 +158,9 @@ func TestFenceStopsTheEnginesOwnTransfersBeingSubmitted(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = b.Cancel(); _ = b.Free() })
 	submitted := make(chan error, 1)
-	go func() { submitted <- b.Submit(testCtx(t, time.Minute), []engine.Request{read(into, seg, engine.AddrOf(from), size)}) }()
+	go func() {
+		submitted <- b.Submit(testCtx(t, time.Minute), []engine.Request{read(into, seg, engine.AddrOf(from), size)})
+	}()
 	<-gate.entered // the Submit is planning: called, not yet listed
 
 	res, err := e.Fence(testCtx(t, 5*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(into), Len: size}})

@@ -125,7 +125,8 @@ func TestRDMAFencesOfOtherPagesDoNotFailATransfer(t *testing.T) {
 		if err != nil || !res.Safe {
 			t.Fatalf("fence %d = %+v, %v; want Safe", fences+1, res, err)
 		}
-		waitFor(t, 10*time.Second, "the FENCE handled", func() bool { return init.Stats().FencesReceived == uint64(fences+1) })
+		// At least once: FENCE is resent while the owner waits for the ACK.
+		waitFor(t, 10*time.Second, "the FENCE handled", func() bool { return init.Stats().FencesReceived >= uint64(fences+1) })
 	}
 	got := waitBatch(t, b, 60*time.Second)[0]
 	t.Logf("%d fences of other pages; the WRITE ended %v after %d bytes (%v); initiator retries %d", fences, got.Status, got.Transferred, got.Err, init.Stats().Retries)
@@ -159,16 +160,16 @@ func TestFenceAPlannerThatLeftDoesNotCostEveryFenceTheGrace(t *testing.T) {
 	if err := gone.Close(); err != nil {
 		t.Fatal(err)
 	}
+	waitFor(t, 10*time.Second, "the owner saw the peer's control connection close", func() bool { return owner.Stats().ControlConns == 0 })
 	for i := 0; i < 3; i++ {
 		start := time.Now()
 		res, err := owner.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(dst), Len: 4096}})
-		took := time.Since(start)
 		if err != nil || !res.Safe {
 			t.Fatalf("fence = %+v, %v; want Safe", res, err)
 		}
-		t.Logf("fence %d took %v; told %v, acked %v", i+1, took, res.Told, res.Acked)
-		if took >= time.Second {
-			t.Fatalf("fence %d took %v: it waited the FenceGrace for the FENCE_ACK of %v, a peer that closed before the first fence", i+1, took, res.Told)
+		t.Logf("fence %d took %v; told %v, acked %v", i+1, time.Since(start), res.Told, res.Acked)
+		if len(res.Told) != 0 {
+			t.Fatalf("fence %d told %v and waited for its FENCE_ACK: a peer that closed before the first fence", i+1, res.Told)
 		}
 	}
 }

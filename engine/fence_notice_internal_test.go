@@ -14,9 +14,11 @@ import (
 // many takes about 100 ms of CPU: were it done under abortMu, every Submit
 // of the initiator, to any peer, would wait that long per notice, and any
 // peer that claims an owner's name can send such notices. The ranges are
-// sorted before the lock; this test holds the lock to 20 ms.
-func TestHandleFenceHoldsAbortMuBriefly(t *testing.T) {
-	owner, init, _, _, _ := reviewPair(t, Options{}, 0)
+// sorted before the lock; this benchmark reports the longest wait of a
+// Submit for abortMu while one such notice is handled
+// (go test ./engine -run '^$' -bench HandleFenceHoldsAbortMu).
+func BenchmarkHandleFenceHoldsAbortMuBriefly(b *testing.B) {
+	owner, init, _, _, _ := inflightPair(b, Options{}, 0)
 	rs := make([]control.FenceRange, control.MaxFenceRanges)
 	for i := range rs {
 		rs[i] = control.FenceRange{Addr: uint64(i) * 8192, Len: 1}
@@ -33,10 +35,9 @@ func TestHandleFenceHoldsAbortMuBriefly(t *testing.T) {
 	for {
 		select {
 		case <-done:
-			t.Logf("a Submit waited up to %v for abortMu while one FENCE of %d ranges was handled", worst, len(rs))
-			if worst > 20*time.Millisecond {
-				t.Fatalf("abortMu held %v by one FENCE notice: every Submit of the engine waits that long per notice", worst)
-			}
+			// Reported, not asserted: a figure to compare against the
+			// time the notice takes to decode and sort (ns/op).
+			b.ReportMetric(float64(worst.Microseconds()), "max-abortMu-wait-us")
 			return
 		default:
 		}

@@ -92,7 +92,9 @@ type Segment struct {
 	// (see task.recheck). It starts afresh with each incarnation of the
 	// owner.
 	fences fence.Known
-	asking atomic.Bool // an askFenceEpoch runs
+	// fencedStale: a transfer was refused as fenced; the next Submit asks
+	// the owner its epoch first (fenceResync).
+	fencedStale atomic.Bool
 }
 
 // learnFenceEpoch takes the owner's fence epoch from a PONG body (8 bytes;
@@ -103,26 +105,27 @@ func (s *Segment) learnFenceEpoch(body []byte) {
 	}
 }
 
-// askFenceEpoch pings the owner once, in the background, to learn its
-// fence epoch: a transfer of ours was refused as planned before a fence we
-// were not told of. At most one ask runs per segment.
-func (s *Segment) askFenceEpoch() {
-	if s.self || !s.asking.CompareAndSwap(false, true) {
+// fenceResync asks the owner its fence epoch when a transfer of ours was
+// refused as fenced: we missed its notice, or hold an epoch it never issued
+// (an earlier incarnation's, or a forged notice's). Its answer is fresh, so
+// an epoch below ours means ours is not its own: what we know starts
+// afresh from its answer. Bounded by ctx and 2 s; on failure the next
+// refusal asks again.
+func (s *Segment) fenceResync(ctx context.Context) {
+	if !s.fencedStale.Swap(false) {
 		return
 	}
-	if !s.e.startBackground() {
-		s.asking.Store(false)
+	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	typ, body, err := s.e.plane.Request(pctx, s.name, control.MsgPing, nil)
+	if err != nil || typ != control.MsgPong || len(body) != 8 {
+		s.fencedStale.Store(true)
 		return
 	}
-	go func() {
-		defer s.e.bg.Done()
-		defer s.asking.Store(false)
-		ctx, cancel := context.WithTimeout(s.e.closeCtx, 5*time.Second)
-		defer cancel()
-		if typ, body, err := s.e.plane.Request(ctx, s.name, control.MsgPing, nil); err == nil && typ == control.MsgPong {
-			s.learnFenceEpoch(body)
-		}
-	}()
+	if ep := binary.LittleEndian.Uint64(body); ep < s.fences.Epoch() {
+		s.fences.Reset()
+	}
+	s.learnFenceEpoch(body)
 }
 
 // protocol returns the transport chosen at the last descriptor fetch.
@@ -283,14 +286,9 @@ func (s *Segment) refresh(ctx context.Context) error {
 		// is stamped with its epochs.
 		s.fences.Reset()
 	}
-	if d.FenceEpoch < s.fences.Epoch() {
-		// Epochs only grow within an incarnation, and a new one starts
-		// past the old one's: a lower epoch is a restart we missed
-		// (under the same address) or a descriptor overtaken by a
-		// FENCE. Starting afresh costs at most a refusal, which
-		// refreshes again.
-		s.fences.Reset()
-	}
+	// A descriptor's epoch below ours is not taken for a restart: it may
+	// come from a store that lags, or be overtaken by a FENCE. A stamp of
+	// ours the owner never issued is refused, and fenceResync asks it.
 	s.addr = addr
 	s.mu.Unlock()
 	s.fences.Learn(d.FenceEpoch)

@@ -111,8 +111,7 @@ func (r *fenceSignalRig) landed(rid uint64) int {
 }
 
 // fence fences both pages and checks that the call is Safe and does not
-// wait for the stopped or dead prefill beyond FenceGrace (plus scheduling
-// slack far below the deadline).
+// wait for the stopped or dead prefill (its deadline) but only FenceGrace.
 func (r *fenceSignalRig) fence(t *testing.T) engine.FenceResult {
 	t.Helper()
 	const deadline = 5 * time.Second
@@ -128,9 +127,12 @@ func (r *fenceSignalRig) fence(t *testing.T) engine.FenceResult {
 	if err != nil || !fr.Safe {
 		t.Fatalf("Fence with the prefill stopped or dead = %+v, %v after %v; want Safe", fr, err, took)
 	}
-	if bound := defaultFenceGrace + 450*time.Millisecond; took > bound {
-		t.Errorf("Fence took %v with the prefill stopped or dead: want at most FenceGrace (%v) and slack, %v in all (its deadline was %v)",
-			took, defaultFenceGrace, bound, deadline)
+	// Not a performance bound: a Fence that waited for the stopped or dead
+	// prefill would run to its deadline; one that waits FenceGrace (50 ms)
+	// returns far before half of it, even on a loaded machine.
+	if bound := deadline / 2; took > bound {
+		t.Errorf("Fence took %v with the prefill stopped or dead: it waited for the prefill, not FenceGrace (%v); deadline %v",
+			took, defaultFenceGrace, deadline)
 	}
 	if slices.Contains(fr.Acked, r.pp.name) {
 		t.Errorf("Fence acked by %s, which is stopped or dead", r.pp.name)
@@ -272,7 +274,8 @@ func testFenceStopped(t *testing.T, rdma bool) {
 	t.Logf("%d of %d requests B (told after a fence, while the prefill was stopped) raced the fence notice and were refused as fenced", raced, rounds)
 
 	// Every fence is acknowledged once the prefill runs again (the notice
-	// is resent until the fence's deadline).
+	// waits on its connection, and the owner matches late ACKs of its last
+	// 1024 fences).
 	for end := time.Now().Add(5 * time.Second); r.d.Stats().FenceAcks < uint64(rounds) && time.Now().Before(end); {
 		time.Sleep(5 * time.Millisecond)
 	}
