@@ -598,7 +598,11 @@ func (p *Plane) run(o op) {
 		}
 	}
 	if o.oneway {
-		if c := p.newestNamed(o.peer); c != nil && p.sendRaw(c.id, msg) == nil {
+		if c := p.newestNamed(o.peer); c != nil {
+			// As a reply: in order with the replies on that connection,
+			// and kept in its bounded backlog while the socket is full
+			// (a burst of FENCEs or ABORTs to a busy peer), not dropped.
+			p.reply(c, msg)
 			return
 		}
 		// No connection from the peer: go through ours.

@@ -555,14 +555,18 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 	if cfg.unsafe {
 		wantFenceAcks = 0 // the unsafe Fence tells no one
 	}
+	// A fence struck before the prefill planned (fenceEarly) may come
+	// before it opened decode's segment at all: it then tells no one, and
+	// the counts below are not asserted.
+	checkFenceAcks := !cfg.fenceEarly
 	ackDeadline := time.Now().Add(cfg.abortDeadline + time.Second)
-	for st := d.Stats(); (st.AbortAcks < uint64(res.aborts) || st.FenceAcks < wantFenceAcks) && time.Now().Before(ackDeadline); st = d.Stats() {
+	for st := d.Stats(); (st.AbortAcks < uint64(res.aborts) || checkFenceAcks && st.FenceAcks < wantFenceAcks) && time.Now().Before(ackDeadline); st = d.Stats() {
 		time.Sleep(5 * time.Millisecond)
 	}
 	if st := d.Stats(); st.AbortAcks != uint64(res.aborts) {
 		t.Errorf("decode has %d ABORT_ACKs (%d unmatched) for %d aborts, %v after the last", st.AbortAcks, st.AcksUnmatched, res.aborts, cfg.abortDeadline+time.Second)
 	}
-	if st := d.Stats(); st.FenceAcks != wantFenceAcks {
+	if st := d.Stats(); checkFenceAcks && st.FenceAcks != wantFenceAcks {
 		t.Errorf("decode has %d FENCE_ACKs (%d unmatched) for %d fences; want %d", st.FenceAcks, st.FenceAcksUnmatched, res.fences, wantFenceAcks)
 	}
 	res.prefill = pp.finish(t, 30*time.Second)
@@ -581,7 +585,7 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 	if bye["abort_events"] != int64(res.aborts) {
 		t.Errorf("prefill got %d EventAborted for %d aborts; want one each", bye["abort_events"], res.aborts)
 	}
-	if cfg.fence && !cfg.unsafe && bye["fences_received"] < int64(res.fences) {
+	if cfg.fence && !cfg.unsafe && checkFenceAcks && bye["fences_received"] < int64(res.fences) {
 		t.Errorf("prefill received %d FENCE notices for %d fences; want one each at least", bye["fences_received"], res.fences)
 	}
 
