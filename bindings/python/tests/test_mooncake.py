@@ -747,6 +747,24 @@ def test_startup_as_sglang_and_vllm_do(monkeypatch: pytest.MonkeyPatch, caplog: 
         assert "P2PHANDSHAKE" in f.last_error()[1]
 
 
+def test_other_protocol_strings_take_what_the_host_offers(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang passes MOONCAKE_PROTOCOL through (efa, nvlink...), which
+    Mooncake's usual build ignores: the shim takes what the host offers with
+    one WARNING naming the string, and the other Mooncake attributes
+    frameworks may touch are there (TransferOpcode on the class,
+    warmup_efa_segment answering 0 as Mooncake without EFA does)."""
+    monkeypatch.delenv("KVFERRY_PROTOCOL", raising=False)
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    with caplog.at_level(logging.WARNING, logger="kvferry.mooncake"):
+        with TransferEngine() as e:
+            assert e.initialize("localhost", "P2PHANDSHAKE", "efa", "") == 0, e.last_error()
+            assert e.warmup_efa_segment(e.get_session_id()) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "'efa'" in warnings[0], warnings
+    assert TransferEngine.TransferOpcode is TransferOpcode and TransferEngine.TransferOpcode.Write == 1
+
+
 # ------------------------------------------------------- the supported alias
 
 ALIAS = HERE.parent / "alias"
