@@ -488,8 +488,8 @@ kvf_status kvf_transfer_sync(kvf_engine engine, const kvf_request *reqs, size_t 
 /* ------------------------------------------------------------------------ */
 /* Safe abort, grants, notifications and events                            */
 /* ------------------------------------------------------------------------ */
-/* The promises these functions keep are kvferry's abort contract (SAFETY.md
- * in the project's docs): a safe abort means no further byte of the request
+/* The promises these functions keep are kvferry's abort contract
+ * (docs/SAFETY.md in the source tree): a safe abort means no further byte of the request
  * can be written into or read from our memory, whatever the initiators do
  * next (slow, paused, crashed, partitioned, retrying).
  *

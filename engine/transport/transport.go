@@ -1,5 +1,5 @@
 // Package transport defines what the engine asks of a transport (tcp, local,
-// later rdma) and the types both sides share: a Slice to move, an Access to
+// rdma) and the types both sides share: a Slice to move, an Access to
 // check at the owner, and the Owner that checks it.
 //
 // A transport moves one-sided WRITEs and READs between memory the initiator
@@ -383,7 +383,8 @@ type AccessTracker interface {
 }
 
 // Drainer is an optional ability of endpoints whose slices may still move
-// bytes after the engine saw them end (none do today): Drain returns once
+// bytes after the engine saw them end (rdma: a canceled slice's work requests
+// may still be on the wire): Drain returns once
 // every work request posted on the path for requestID has completed or been
 // flushed, so the initiator's ABORT_ACK can mean "drained" (SAFETY.md,
 // rdma (a)). Endpoints that end a slice only after the owner answered it,
