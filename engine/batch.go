@@ -741,6 +741,28 @@ func (b *Batch) cancel(st TaskStatus, reason error) error {
 	}
 	ctx, stop := context.WithTimeout(context.Background(), cancelBound)
 	defer stop()
+	inUse := stopCut(ctx, cut, reason)
+	select {
+	case <-idle:
+	case <-ctx.Done():
+		if inUse == nil {
+			inUse = fmt.Errorf("%w: tasks still in flight %v after the cancel", ErrMemoryInUse, cancelBound)
+		}
+		b.e.log.Error("kvferry: cancel could not confirm the engine stopped touching the memory", "err", inUse)
+		return fmt.Errorf("cancel: %w", inUse)
+	}
+	if st != Aborted && !errors.Is(reason, ErrClosed) {
+		b.e.tellCanceled(tasks)
+	}
+	return nil
+}
+
+// stopCut stops the slices task.cancel found being copied, path by path at
+// once: one by one where the path can (SliceCanceler), else by aborting the
+// path, whose other slices are retried elsewhere. It returns the error of a
+// path that could not confirm by ctx's deadline that it stopped touching
+// their memory, nil otherwise.
+func stopCut(ctx context.Context, cut map[*pathRef][]*transport.Slice, reason error) error {
 	var wg sync.WaitGroup
 	var errMu sync.Mutex
 	var inUse error
@@ -760,19 +782,7 @@ func (b *Batch) cancel(st TaskStatus, reason error) error {
 		}()
 	}
 	wg.Wait()
-	select {
-	case <-idle:
-	case <-ctx.Done():
-		if inUse == nil {
-			inUse = fmt.Errorf("%w: tasks still in flight %v after the cancel", ErrMemoryInUse, cancelBound)
-		}
-		b.e.log.Error("kvferry: cancel could not confirm the engine stopped touching the memory", "err", inUse)
-		return fmt.Errorf("cancel: %w", inUse)
-	}
-	if st != Aborted && !errors.Is(reason, ErrClosed) {
-		b.e.tellCanceled(tasks)
-	}
-	return nil
+	return inUse
 }
 
 // cancelSnapshot returns the tasks to cancel and the channel that closes

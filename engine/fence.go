@@ -136,7 +136,7 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 	// Only those holding a control connection to us now are waited for:
 	// one that fetched our descriptor and left must not cost every fence
 	// its grace.
-	floor, _ := e.fences.Since(ep)
+	floor := e.fences.Floor()
 	var names []string
 	for _, n := range e.plannerNames(res.Cut) {
 		if e.plane.HasInbound(n) {
@@ -265,19 +265,7 @@ func (e *Engine) cancelOwnTasks(ctx context.Context, ranges []fence.Range) error
 	for _, t := range tasks {
 		t.cancel(Canceled, cut)
 	}
-	var wg sync.WaitGroup
-	for ref, ss := range cut {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if c, ok := ref.ep.(transport.SliceCanceler); ok {
-				_ = c.Cancel(ctx, ss) // waitFinal below says whether it worked
-				return
-			}
-			ref.ep.Abort(fmt.Errorf("%w: this engine fenced their memory", transport.ErrCanceled))
-		}()
-	}
-	wg.Wait()
+	_ = stopCut(ctx, cut, errors.New("this engine fenced their memory")) // waitFinal below says whether it worked
 	deadline, _ := ctx.Deadline()
 	if !e.waitFinal(tasks, deadline) {
 		return fmt.Errorf("%w: %d of this engine's own transfers into the ranges still in flight at the deadline", ErrMemoryInUse, len(tasks))

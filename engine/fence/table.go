@@ -288,33 +288,6 @@ func (t *Table) Fence(ranges []Range) (uint64, <-chan struct{}, error) {
 	return ep, w.done, nil
 }
 
-// Ranges returns the normalized ranges of the fence of epoch ep (nil when
-// it was folded or never was). Do not change them.
-func (t *Table) Ranges(ep uint64) []Range {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	for i := len(t.log) - 1; i >= 0; i-- {
-		if t.log[i].epoch == ep {
-			return t.log[i].ranges
-		}
-	}
-	return nil
-}
-
-// Since returns the fences after epoch after (oldest first) and the floor,
-// for a notice to an initiator that knows the fences up to after. The
-// ranges are shared: do not change them.
-func (t *Table) Since(after uint64) (floor uint64, fences []Fenced) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	for _, e := range t.log {
-		if e.epoch > after {
-			fences = append(fences, Fenced{Epoch: e.epoch, Ranges: e.ranges})
-		}
-	}
-	return t.floor, fences
-}
-
 // Fenced is one fence: its epoch and ranges.
 type Fenced struct {
 	Epoch  uint64
