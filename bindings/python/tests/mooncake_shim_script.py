@@ -401,7 +401,9 @@ def run_fence_flow(impl: str, room_bytes: int = 256 << 20, page: int = 64 << 10,
             prefill.start("write_rooms", decode.session, rooms, 4)
             deadline = time.monotonic() + 60
             probe = a_pages[::max(1, n // 64)]  # 64 pages across the room: the order pages land in is the engine's
-            while decode("count", probe, page, 0x44) == 0:
+            # Until A's first bytes landed, or prefill's rooms ended without
+            # them (an engine that fails the room outright).
+            while decode("count", probe, page, 0x44) == 0 and not prefill.conn.poll(0):
                 if time.monotonic() > deadline:
                     raise TimeoutError("no byte of room A landed within 60 s")
             fence_ret, took = None, 0.0
@@ -433,11 +435,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fence-flow", action="store_true",
                     help="run the PD flow where decode gives a room up mid-transfer (run_fence_flow); print JSON")
     ap.add_argument("--no-fence", action="store_true", help="with --fence-flow: decode does not fence")
+    ap.add_argument("--room-mib", type=int, default=256, help="with --fence-flow: the given-up room's size")
     args = ap.parse_args(argv)
     if args.fence_flow:
         import json
 
-        print(json.dumps(run_fence_flow(args.impl, fence=args.impl == "kvferry" and not args.no_fence)))
+        print(json.dumps(run_fence_flow(args.impl, room_bytes=args.room_mib << 20,
+                                        fence=args.impl == "kvferry" and not args.no_fence)))
         return 0
     ok = run_scenario(args.impl, args.seed)
     print("PASS" if ok else "FAIL")
