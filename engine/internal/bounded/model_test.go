@@ -162,8 +162,8 @@ func runModel(t *testing.T, ops []byte) {
 				m.makeRoom(m.trim(), bounded.Room, now)
 				if m.over() {
 					m.st.Over++
-					want = len(m.es) - m.o.Cap
 				}
+				want = max(0, len(m.es)-m.trim())
 			}
 			if got := s.Push(k, k); got != want {
 				t.Fatalf("op %d: Push(%d) = %d, model %d", i, k, got, want)

@@ -195,9 +195,11 @@ func (s *Set[K, V]) Put(k K, v V) bool {
 
 // Push stores v under k like Put, but keeps it even when the set stays
 // above its cap, for a caller whose protected entries are bounded by other
-// means (a chunk in progress ends). It returns how many entries the set
-// then holds beyond its cap.
-func (s *Set[K, V]) Push(k K, v V) (over int) {
+// means (a chunk in progress ends). When the set went above its cap, Push
+// made room down to the trim mark; short is how many entries the protected
+// ones left above that mark (0 when no room was needed or the mark was
+// reached), for a caller that then forces the rest out with Force.
+func (s *Set[K, V]) Push(k K, v V) (short int) {
 	s.put(k, v)
 	if !s.over() {
 		return 0
@@ -205,9 +207,8 @@ func (s *Set[K, V]) Push(k K, v V) (over int) {
 	s.makeRoom(s.o.Trim, Room)
 	if s.over() {
 		s.st.Over++
-		return len(s.m) - s.o.Cap
 	}
-	return 0
+	return max(0, len(s.m)-s.o.Trim)
 }
 
 // Force evicts entries, oldest first, until at most target remain, asking

@@ -92,8 +92,8 @@ func TestPushKeepsProtectedEntriesAboveTheCapAndForceIsCountedApart(t *testing.T
 	}})
 	s.Push(1, 1)
 	s.Push(2, 2)
-	if over := s.Push(3, 3); over != 1 {
-		t.Fatalf("Push over a full protected set: over %d, want 1", over)
+	if short := s.Push(3, 3); short != 1 {
+		t.Fatalf("Push over a full protected set: %d above the mark, want 1", short)
 	}
 	if got := keys(s); !slices.Equal(got, []int{1, 2, 3}) {
 		t.Fatalf("entries %v", got)
@@ -189,6 +189,17 @@ func TestTrimMarkMakesRoomForManyInsertions(t *testing.T) {
 	}
 	if got := keys(s); !slices.Equal(got, []int{6, 7, 8, 9}) {
 		t.Fatalf("entries %v, want the 4 youngest", got)
+	}
+	// Push reports what protected entries leave above the mark, though
+	// the set is back under its cap.
+	kept := map[int]bool{6: true, 7: true, 8: true, 9: true, 10: true}
+	p := bounded.New(bounded.Options[int, int]{Cap: 4, Trim: 2, Policy: protect(kept)})
+	for k := 6; k <= 10; k++ {
+		p.Push(k, k)
+	}
+	kept[6], kept[7] = false, false
+	if short := p.Push(11, 11); short != 2 || p.Len() != 4 {
+		t.Fatalf("Push: %d above the mark, %d entries; want 2 and 4", short, p.Len())
 	}
 	start := bounded.New(bounded.Options[int, int]{Cap: 3, Trim: 1})
 	for k := 1; k <= 4; k++ {
