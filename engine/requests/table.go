@@ -20,6 +20,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvferry/kvferry/engine/internal/bounded"
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/transport"
 )
@@ -122,12 +123,10 @@ type state struct {
 	restricted bool // it has had grants: every access needs a live one
 	tomb       bool // it was aborted
 	acked      bool // every initiator named acknowledged the last abort
-	since      time.Time
 
-	// The age queue, under Table.queueMu; queued is also written under the
-	// shard's lock, so either lock reads it.
-	prev, next *state
-	queued     bool
+	// queued: the state is in the age queue. Written under both
+	// Table.queueMu and the shard's lock, so either lock reads it.
+	queued bool
 }
 
 // keep reports whether the state holds anything beyond defaults.
@@ -164,10 +163,10 @@ type Table struct {
 	grantID atomic.Uint64
 
 	// queueMu guards the age queue: the request ids remembered without a
-	// live grant, each linked once, oldest first (by since).
-	queueMu    sync.Mutex
-	head, tail *state
-	queued     int
+	// live grant, each once, oldest first by the time they were last
+	// aborted or revoked. Its policy (forget) takes a shard's lock.
+	queueMu sync.Mutex
+	age     *bounded.Set[uint64, *state]
 
 	tombs, evicted, forced atomic.Int64
 }
@@ -187,6 +186,12 @@ func New(opts Options) *Table {
 		opts.MaxRanges = 1 << 20
 	}
 	t := &Table{opts: opts, grants: map[uint64]*Grant{}}
+	t.age = bounded.New(bounded.Options[uint64, *state]{
+		Cap:    opts.MaxTombstones,
+		Trim:   t.trimMark(),
+		TTL:    opts.TombstoneTTL,
+		Policy: t.forget,
+	})
 	for i := range t.shards {
 		t.shards[i].m = map[uint64]*state{}
 	}
@@ -335,8 +340,7 @@ func (t *Table) Abort(rid uint64, acked bool) (uint32, <-chan struct{}, error) {
 		return 0, nil, fmt.Errorf("abort: %w: request id 0", memory.ErrInvalidArg)
 	}
 	sh := t.shard(rid)
-	t.queueMu.Lock()
-	now := time.Now() // under queueMu: the queue stays sorted by since
+	t.queueMu.Lock() // held until queued: the queue stays in the order of aborts
 	sh.mu.Lock()
 	st := sh.stateLocked(rid)
 	if st.gen == math.MaxUint32 {
@@ -354,13 +358,10 @@ func (t *Table) Abort(rid uint64, acked bool) (uint32, <-chan struct{}, error) {
 	if !st.tomb {
 		t.tombs.Add(1)
 	}
-	st.tomb, st.acked, st.since = true, acked, now
-	t.pushLocked(st)
+	st.tomb, st.acked, st.queued = true, acked, true
 	gen, wait := st.gen, st.waitLocked()
 	sh.mu.Unlock()
-	if t.queued > t.opts.MaxTombstones {
-		t.trimLocked(st)
-	}
+	t.queueLocked(st)
 	t.queueMu.Unlock()
 
 	if len(revoked) > 0 {
@@ -489,7 +490,6 @@ func (t *Table) Revoke(id uint64) (<-chan struct{}, error) {
 	}
 	sh := t.shard(g.RequestID)
 	t.queueMu.Lock()
-	now := time.Now()
 	sh.mu.Lock()
 	st := sh.m[g.RequestID]
 	if st == nil || g.revoked {
@@ -510,58 +510,36 @@ func (t *Table) Revoke(id uint64) (<-chan struct{}, error) {
 	if last {
 		// The request id stays restricted: remembered like a tombstone,
 		// and counted with them, so that it ages out or goes at the cap.
-		st.since = now
 		if !st.tomb {
 			st.acked = true
 		}
-		t.pushLocked(st)
+		st.queued = true
 	}
 	wait := st.waitLocked()
 	sh.mu.Unlock()
-	if last && t.queued > t.opts.MaxTombstones {
-		t.trimLocked(st)
+	if last {
+		t.queueLocked(st)
 	}
 	t.queueMu.Unlock()
 	return wait, nil
 }
 
-// pushLocked puts st at the young end of the age queue, moving it if it is
-// queued already: a request id is queued once, however often it is
-// renewed. Called with queueMu and st's shard locked.
-func (t *Table) pushLocked(st *state) {
-	if st.queued {
-		if t.tail == st {
-			return
-		}
-		t.unlinkLocked(st)
+// queueLocked puts st at the young end of the age queue, moving it if it
+// is queued already: a request id is queued once, however often it is
+// renewed. Past MaxTombstones the queue forgets down to the trim mark:
+// acknowledged states first, oldest first, and only then, counted as
+// forced, those not acknowledged; never one with a chunk in progress, nor
+// st itself (see forget). Called with queueMu held and st.queued set under
+// its shard's lock (forget takes that lock).
+func (t *Table) queueLocked(st *state) {
+	if t.age.Push(st.rid, st) > 0 {
+		t.age.Force(t.trimMark())
 	}
-	st.prev, st.next = t.tail, nil
-	if t.tail != nil {
-		t.tail.next = st
-	} else {
-		t.head = st
-	}
-	t.tail = st
-	st.queued = true
-	t.queued++
 }
 
-// unlinkLocked takes st out of the age queue. Called with queueMu and st's
-// shard locked.
-func (t *Table) unlinkLocked(st *state) {
-	if st.prev != nil {
-		st.prev.next = st.next
-	} else {
-		t.head = st.next
-	}
-	if st.next != nil {
-		st.next.prev = st.prev
-	} else {
-		t.tail = st.prev
-	}
-	st.prev, st.next, st.queued = nil, nil, false
-	t.queued--
-}
+// trimMark is what the age queue forgets down to past MaxTombstones: 7/8
+// of it, so that the walk is paid once per many aborts.
+func (t *Table) trimMark() int { return t.opts.MaxTombstones * 7 / 8 }
 
 // Sweep forgets the tombstones (and request ids whose grants were all
 // revoked) that every initiator acknowledged and that aged out. The engine
@@ -569,52 +547,29 @@ func (t *Table) unlinkLocked(st *state) {
 func (t *Table) Sweep(now time.Time) {
 	t.queueMu.Lock()
 	defer t.queueMu.Unlock()
-	for st := t.head; st != nil; {
-		next := st.next
-		if now.Sub(st.since) < t.opts.TombstoneTTL {
-			break // the rest are younger
-		}
-		t.evictLocked(st, false) // one not acknowledged, or busy, stays
-		st = next
-	}
+	t.age.Expire(now) // one not acknowledged, or busy, stays
 }
 
-// trimLocked forgets queued request ids past MaxTombstones, down to 7/8 of
-// it so that the walk is paid once per many aborts: acknowledged ones
-// first, oldest first, and only then, counted as forced, those not
-// acknowledged; never young, the one just renewed. Called with queueMu
-// held.
-func (t *Table) trimLocked(young *state) {
-	target := t.opts.MaxTombstones * 7 / 8
-	for _, force := range []bool{false, true} {
-		for st := t.head; st != nil && t.queued > target; {
-			next := st.next
-			if st != young {
-				t.evictLocked(st, force)
-			}
-			st = next
-		}
-	}
-}
-
-// evictLocked forgets the queued state st if it is idle and acknowledged (or
-// force). A state with live grants leaves the queue but stays: it is bounded
-// by MaxGrants, and the revoke of its last grant (or an abort) queues it
-// again. Called with queueMu held.
-func (t *Table) evictLocked(st *state, force bool) {
-	sh := t.shard(st.rid)
+// forget is the age queue's policy: it forgets the queued state st if it
+// is idle and acknowledged (or the eviction is forced), and reports what
+// it did. A state with a chunk in progress is never forgotten: Abort and
+// Revoke wait on it. A state with live grants leaves the queue but stays:
+// it is bounded by MaxGrants, and the revoke of its last grant (or an
+// abort) queues it again. Called with queueMu held.
+func (t *Table) forget(rid uint64, st *state, why bounded.Reason) bounded.Verdict {
+	sh := t.shard(rid)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	switch {
 	case len(st.grants) > 0:
-		t.unlinkLocked(st)
-		return
-	case st.active > 0 || (!st.acked && !force):
-		return
+		st.queued = false
+		return bounded.Release
+	case st.active > 0 || (!st.acked && why != bounded.Forced):
+		return bounded.Keep
 	}
-	t.unlinkLocked(st)
-	if sh.m[st.rid] == st {
-		delete(sh.m, st.rid)
+	st.queued = false
+	if sh.m[rid] == st {
+		delete(sh.m, rid)
 	}
 	if st.tomb {
 		t.tombs.Add(-1)
@@ -623,6 +578,7 @@ func (t *Table) evictLocked(st *state, force bool) {
 	if !st.acked {
 		t.forced.Add(1)
 	}
+	return bounded.Evict
 }
 
 // Stats are the table's counters.
@@ -638,7 +594,7 @@ type Stats struct {
 // Stats returns a snapshot of the counters.
 func (t *Table) Stats() Stats {
 	t.queueMu.Lock()
-	q := t.queued
+	q := t.age.Len()
 	t.queueMu.Unlock()
 	t.grantMu.Lock()
 	n, nr := len(t.grants), t.ranges
