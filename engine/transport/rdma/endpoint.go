@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvferry/kvferry/engine/internal/bounded"
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/verbs"
@@ -87,7 +88,7 @@ type Endpoint struct {
 	finished chan struct{} // closed when the first Abort returns
 
 	rankMu    sync.Mutex
-	rankCache map[[2]string][2][]int // NIC ranks per (local, remote) location
+	rankCache *bounded.Set[[2]string, [2][]int] // NIC ranks per (local, remote) location
 	rr        int
 	noPath    time.Time // since when no pair was healthy
 	done      chan struct{}
@@ -114,7 +115,7 @@ func (t *Transport) Dial(ctx context.Context, peer, self string) (transport.Endp
 	e := &Endpoint{
 		t: t, peer: peer, conn: rand.Uint64(), info: info, keys: map[keyUse]*heldKeys{}, dropped: map[uint64]struct{}{},
 		reqs: map[uint64]*reqTrack{}, done: make(chan struct{}), finished: make(chan struct{}),
-		canceled: map[*transport.Slice]int{},
+		canceled: map[*transport.Slice]int{}, rankCache: newRankCache(),
 	}
 	e.cond = sync.NewCond(&e.mu)
 	e.ctx, e.cancel = context.WithCancel(context.Background())
@@ -735,6 +736,15 @@ func (e *Endpoint) resolve(s *transport.Slice) (*keysReply, uint64, error) {
 // admits reports whether the owner admitted [addr, addr+n).
 func (kr *keysReply) admits(addr, n uint64) bool { return kr.Admitted.Contains(addr, n) }
 
+// newRankCache returns an empty cache of NIC ranks. Its entries are cheap
+// to compute again and nothing rests on them, so past its cap it starts
+// afresh (keeping only the entry just put) rather than pay a walk per
+// location pair: locations are few (cpu and the GPUs), so it fills only
+// when an owner names many.
+func newRankCache() *bounded.Set[[2]string, [2][]int] {
+	return bounded.New(bounded.Options[[2]string, [2][]int]{Cap: 257, Trim: 1})
+}
+
 // ranks returns, per local NIC and per owner NIC, its tier for memory at
 // localLoc and at remoteLoc (equally good NICs share a tier); computed
 // once per pair of locations, not per slice.
@@ -742,7 +752,7 @@ func (e *Endpoint) ranks(localLoc, remoteLoc string) (local, remote []int) {
 	k := [2]string{localLoc, remoteLoc}
 	e.rankMu.Lock()
 	defer e.rankMu.Unlock()
-	if r, ok := e.rankCache[k]; ok {
+	if r, ok := e.rankCache.Get(k); ok {
 		return r[0], r[1]
 	}
 	local = topo.Tiers(localLoc, -1, e.t.topoNICs())
@@ -759,10 +769,7 @@ func (e *Endpoint) ranks(localLoc, remoteLoc string) (local, remote []int) {
 			remote[i] = int(tiers[r])
 		}
 	}
-	if e.rankCache == nil || len(e.rankCache) > 256 {
-		e.rankCache = map[[2]string][2][]int{}
-	}
-	e.rankCache[k] = [2][]int{local, remote}
+	e.rankCache.Put(k, [2][]int{local, remote})
 	return local, remote
 }
 

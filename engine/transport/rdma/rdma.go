@@ -27,6 +27,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kvferry/kvferry/engine/internal/bounded"
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/verbs"
@@ -138,9 +139,8 @@ type Transport struct {
 	// responder's answer, on any endpoint, dead ones included: their
 	// bytes may still land, so no drain of them is ever promised.
 	uncMu     sync.Mutex
-	uncertain map[uncertainKey]time.Time
-	uncQueue  []uncertainMark // marks in time order, for expiry
-	uncAll    time.Time       // past its cap, every request counts as uncertain until then
+	uncertain *bounded.Set[uncertainKey, struct{}]
+	uncAll    time.Time // past its cap, every request counts as uncertain until then
 
 	// Dial, Serve and disconnects in progress, and live endpoints: Close
 	// waits for the first and aborts the second before freeing NICs.
@@ -259,7 +259,7 @@ func New(opts Options) (*Transport, error) {
 	t := &Transport{
 		opts: opts, log: opts.Logger, lib: lib, mrs: map[memory.Key]*regMRs{},
 		wrs: map[uint64]*wrCtx{}, conns: map[string]map[uint64]*respConn{}, closed: make(chan struct{}),
-		uncertain: map[uncertainKey]time.Time{}, eps: map[*Endpoint]struct{}{}, holds: newHolders(),
+		uncertain: newUncertainSet(nil), eps: map[*Endpoint]struct{}{}, holds: newHolders(),
 	}
 	devs, err := lib.Devices()
 	if err != nil {
@@ -1007,44 +1007,26 @@ const (
 	maxUncertain = 1 << 16
 )
 
-type uncertainMark struct {
-	k  uncertainKey
-	at time.Time
+// newUncertainSet returns an empty uncertain set on clock now (nil: the
+// wall clock). A mark is protected for as long as it is within its window
+// (KeepFresh): the set never forgets a fresh one to make room.
+func newUncertainSet(now func() time.Time) *bounded.Set[uncertainKey, struct{}] {
+	return bounded.New(bounded.Options[uncertainKey, struct{}]{Cap: maxUncertain, TTL: uncertainTTL, KeepFresh: true, Now: now})
 }
 
 // markUncertain records that a work request of (peer, rid) ended without
-// the responder's answer. A fresh mark is never forgotten: past the cap,
-// expired marks go first, and when none has expired every request of every
-// peer counts as uncertain until the newest mark would have expired (a
-// drain then says "cut", never "drained" for a request it forgot).
+// the responder's answer; a mark again moves its expiry. A fresh mark is
+// never forgotten: past the cap, expired marks go first, and when none has
+// expired every request of every peer counts as uncertain until the newest
+// mark would have expired (a drain then says "cut", never "drained" for a
+// request it forgot).
 func (t *Transport) markUncertain(peer string, rid uint64) {
-	now := time.Now()
-	k := uncertainKey{peer, rid}
+	now := t.uncertain.Now()
 	t.uncMu.Lock()
 	defer t.uncMu.Unlock()
-	t.expireUncertainLocked(now)
-	if _, ok := t.uncertain[k]; !ok && len(t.uncertain) >= maxUncertain {
+	t.uncertain.Expire(now)
+	if !t.uncertain.Put(uncertainKey{peer, rid}, struct{}{}) {
 		t.uncAll = now.Add(uncertainTTL)
-		return
-	}
-	if _, ok := t.uncertain[k]; !ok {
-		t.uncQueue = append(t.uncQueue, uncertainMark{k, now})
-	}
-	t.uncertain[k] = now // a mark again moves its expiry (see expireUncertainLocked)
-}
-
-// expireUncertainLocked forgets marks older than uncertainTTL.
-func (t *Transport) expireUncertainLocked(now time.Time) {
-	// One queue entry per mark in the map, in the order first marked; a
-	// mark renewed since goes to the back with its new time.
-	for len(t.uncQueue) > 0 && now.Sub(t.uncQueue[0].at) > uncertainTTL {
-		m := t.uncQueue[0]
-		t.uncQueue = t.uncQueue[1:]
-		if at := t.uncertain[m.k]; at.After(m.at) {
-			t.uncQueue = append(t.uncQueue, uncertainMark{m.k, at})
-			continue
-		}
-		delete(t.uncertain, m.k)
 	}
 }
 
@@ -1052,14 +1034,13 @@ func (t *Transport) expireUncertainLocked(now time.Time) {
 // the responder's answer in the last uncertainTTL: the initiator can then
 // not promise that the request is drained.
 func (t *Transport) Uncertain(peer string, rid uint64) bool {
-	now := time.Now()
+	now := t.uncertain.Now()
 	t.uncMu.Lock()
 	defer t.uncMu.Unlock()
 	if now.Before(t.uncAll) {
 		return true
 	}
-	at, ok := t.uncertain[uncertainKey{peer, rid}]
-	return ok && now.Sub(at) <= uncertainTTL
+	return t.uncertain.Fresh(uncertainKey{peer, rid}, now)
 }
 
 // enter counts an operation in unless the transport is closing.

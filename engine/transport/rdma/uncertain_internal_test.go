@@ -3,7 +3,6 @@ package rdma
 import (
 	"fmt"
 	"testing"
-	"time"
 )
 
 // The uncertain set is what keeps an initiator from promising a drain of
@@ -15,7 +14,7 @@ import (
 // Here every entry is fresh, so none may be forgotten, however many there
 // are. The test needs no NIC: only the set's bookkeeping runs.
 func TestRDMAUncertainSetAtItsCapNeverForgetsAFreshRequest(t *testing.T) {
-	tr := &Transport{uncertain: map[uncertainKey]time.Time{}}
+	tr := &Transport{uncertain: newUncertainSet(nil)}
 	const extra = 256
 	n := maxUncertain + extra
 	peers := []string{"10.0.0.1:5000", "10.0.0.2:5000"}
