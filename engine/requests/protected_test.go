@@ -16,10 +16,13 @@ import (
 	"github.com/kvferry/kvferry/engine/transport"
 )
 
+// A random mix of aborts, acknowledgements, chunks and sweeps over few
+// request ids presses a cap of 8 both ways (acknowledged evictions and
+// forced ones); the checks run after every step.
 func TestProtectedRequestsAreNeverForgottenAtTheCapOrBySweeps(t *testing.T) {
-	reg, r := testRegion(t, 4096)
 	const max = 8
 	tbl := requests.New(requests.Options{MaxTombstones: max, TombstoneTTL: time.Hour})
+	reg, r := testRegion(t, 4096)
 	rng := rand.New(rand.NewPCG(5, 8))
 	busy := map[uint64]transport.Guard{} // request ids with a chunk in progress
 	acked := map[uint64]bool{}           // whether the last abort of each is acknowledged

@@ -6,10 +6,10 @@ import (
 )
 
 // TestRevokeRacingGrantNeverPanics: a Revoke of the id a concurrent Grant is
-// about to hand out must see either no grant or a whole one. It used to find
-// the grant published before its request state existed and panic with the
-// shard locked, which then hung every access of 1/64 of the request ids
-// (the window is narrow: -race, as make test runs it, widens it).
+// about to hand out must see either no grant or a whole one. A grant
+// published before its request state existed would make Revoke panic with
+// the shard locked, which then hangs every access of 1/64 of the request
+// ids (the window is narrow: -race, as make test runs it, widens it).
 func TestRevokeRacingGrantNeverPanics(t *testing.T) {
 	tb := New(Options{})
 	n := 20000
