@@ -28,9 +28,9 @@ func requireBounded(t *testing.T, what string, tbl *requests.Table, max, extra i
 
 // Grants revoked to the last leave their request id restricted (an access
 // without a grant is still refused), so the table remembers it; those
-// request ids count against MaxTombstones like tombstones. They used to
-// escape the cap: 200,000 granted and revoked request ids were all kept
-// with a cap of 1,024, until the TTL.
+// request ids count against MaxTombstones like tombstones. Outside the
+// cap, 200,000 granted and revoked request ids would all be kept with a
+// cap of 1,024, until the TTL.
 func TestRevokedGrantsCountAgainstTheCap(t *testing.T) {
 	const max, n = 1024, 200_000
 	tbl := requests.New(requests.Options{MaxTombstones: max, TombstoneTTL: time.Hour})
@@ -53,8 +53,8 @@ func TestRevokedGrantsCountAgainstTheCap(t *testing.T) {
 
 // Aborting (or revoking the last grant of) one request id again and again
 // renews its place in the age queue instead of adding an entry each time.
-// Each abort used to append an entry, so the queue grew without bound while
-// the tombstone count stayed at one and never triggered the cap.
+// An entry per abort would grow the queue without bound while the
+// tombstone count stays at one and never triggers the cap.
 func TestRepeatedAbortsAndRevokesOfOneRequestQueueItOnce(t *testing.T) {
 	const max, n = 1024, 200_000
 	tbl := requests.New(requests.Options{MaxTombstones: max, TombstoneTTL: time.Hour})
@@ -90,10 +90,10 @@ func TestRepeatedAbortsAndRevokesOfOneRequestQueueItOnce(t *testing.T) {
 }
 
 // Tombstones that got a new grant leave the age queue (they are bounded by
-// MaxGrants) and stop counting against MaxTombstones. They used to stay
-// counted while the trim could not forget them, so every later abort
-// forced out the other tombstones, the one just made included: an abort
-// not yet acknowledged lost its refusal at once.
+// MaxGrants) and stop counting against MaxTombstones. Counted while the
+// trim cannot forget them, they would make every later abort force out the
+// other tombstones, the one just made included: an abort not yet
+// acknowledged would lose its refusal at once.
 func TestGrantedTombstonesDoNotPushOutFreshAborts(t *testing.T) {
 	const max, granted = 8, 16
 	tbl := requests.New(requests.Options{MaxTombstones: max, MaxGrants: granted, TombstoneTTL: time.Hour})
@@ -132,7 +132,7 @@ func TestGrantedTombstonesDoNotPushOutFreshAborts(t *testing.T) {
 
 // Every Abort and Revoke of a request id waiting for the same chunk shares
 // one channel: an application aborting again and again while a chunk is
-// stuck used to add a channel per call.
+// stuck must not add a channel per call.
 func TestRepeatedAbortsWhileAChunkIsInProgressShareOneChannel(t *testing.T) {
 	reg, r := testRegion(t, 4096)
 	tbl := requests.New(requests.Options{})

@@ -15,8 +15,8 @@ import (
 // and the application reuses the range. When the cap forgets the request's
 // state (revoked ones are forgotten first, as "acknowledged"; an abort
 // naming no initiator is forced out after MaxTombstones/8 more), the guard
-// found no state and let the chunk through: check(nil, 0, grant) ignores
-// the revoked grant the guard itself holds.
+// finds no state, and check(nil, 0, grant) alone would let the chunk
+// through: it ignores the revoked grant the guard itself holds.
 func TestGuardUnderARevokedGrantStaysRefusedAfterTheCapForgetsTheRequest(t *testing.T) {
 	const max = 8
 	const init = "10.0.0.1:1"
