@@ -5,8 +5,8 @@
 // A WRITE completes at the initiator only after the owner answered that its
 // bytes were applied, so COMPLETED means landed. The owner copies bytes with
 // non-blocking syscalls and holds its memory guard only around each one, so a
-// peer stopped mid-frame never stalls an unregistration (and, later, an
-// abort). See the frame layout in wire.go.
+// peer stopped mid-frame never stalls an unregistration, an Abort or a
+// Fence. See the frame layout in wire.go.
 package tcp
 
 import (
