@@ -14,6 +14,7 @@ import (
 
 	zmq "github.com/pebbe/zmq4"
 
+	"github.com/kvferry/kvferry/internal/defaults"
 	"github.com/kvferry/kvferry/internal/ratelog"
 )
 
@@ -110,27 +111,13 @@ const (
 )
 
 func (o *Options) fill() {
-	if o.MaxConns <= 0 {
-		o.MaxConns = DefaultMaxConns
-	}
-	if o.MaxConnsPerHost <= 0 {
-		o.MaxConnsPerHost = DefaultMaxConnsPerHost
-	}
-	if o.BufferBytes == 0 {
-		o.BufferBytes = DefaultBufferBytes
-	}
-	if o.HandshakeTimeout <= 0 {
-		o.HandshakeTimeout = DefaultHandshakeTimeout
-	}
-	if o.MessageTimeout <= 0 {
-		o.MessageTimeout = DefaultMessageTimeout
-	}
-	if o.MaxQueued <= 0 {
-		o.MaxQueued = DefaultMaxQueued
-	}
-	if o.PeerIdleTimeout <= 0 {
-		o.PeerIdleTimeout = DefaultPeerIdleTimeout
-	}
+	defaults.Fill(&o.MaxConns, DefaultMaxConns)
+	defaults.Fill(&o.MaxConnsPerHost, DefaultMaxConnsPerHost)
+	defaults.Fill(&o.BufferBytes, DefaultBufferBytes)
+	defaults.Fill(&o.HandshakeTimeout, DefaultHandshakeTimeout)
+	defaults.Fill(&o.MessageTimeout, DefaultMessageTimeout)
+	defaults.Fill(&o.MaxQueued, DefaultMaxQueued)
+	defaults.Fill(&o.PeerIdleTimeout, DefaultPeerIdleTimeout)
 }
 
 // Stats are the plane's counters.
