@@ -1,5 +1,10 @@
 package control
 
+// The plane's types, its options and counters, and its life: Listen, Start,
+// Close. The loop is in plane_loop.go, the connection table in
+// plane_conns.go, our requests and one-way sends in plane_request.go, and
+// the answers to peers' requests in plane_serve.go.
+
 import (
 	"crypto/rand"
 	"encoding/binary"

@@ -1,5 +1,9 @@
 package control
 
+// The connection table, owned by the loop: our connections to peers (one
+// per peer, redialled with a fresh routing id), peers' connections to us
+// (named by their READY, the newest taking the name), and their readers.
+
 import (
 	"fmt"
 	"sync/atomic"

@@ -1,5 +1,9 @@
 package control
 
+// The loop goroutine: it polls the STREAM socket and the wake socket, runs
+// the queued ops, feeds received bytes to each connection's ZMTP reader, and
+// sweeps connections past their deadlines.
+
 import (
 	"errors"
 	"fmt"

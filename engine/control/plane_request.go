@@ -1,5 +1,8 @@
 package control
 
+// Our side of a conversation: requests that wait for the reply with their
+// correlation id, one-way sends, and the matching of what comes back.
+
 import (
 	"context"
 	"fmt"

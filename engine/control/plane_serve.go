@@ -1,5 +1,8 @@
 package control
 
+// The peers' side: answering their requests through the handlers, and the
+// backlog of replies libzmq's send queue refused, kept in order and bounded.
+
 import (
 	"fmt"
 	"syscall"

@@ -1,5 +1,9 @@
 package tcp
 
+// Gathered writes, a frame's parts sent with writev: writevGuards (the
+// initiator's) holds every guard around each syscall; writevParts (the
+// owner's READ data) holds only the guards of the parts a syscall reads.
+
 import (
 	"fmt"
 
