@@ -101,4 +101,32 @@ static inline int kvft_initiator_process(const char *owner_name, unsigned long l
     return 0;
 }
 
+/* Sends the child initiator one WRITE; kvft_child_done reads its reply. */
+static inline void kvft_child_write(uint64_t rid, size_t off, size_t len, uint32_t seed) {
+    fprintf(kvft_child.to, "WRITE %llu %zu %zu %u\n", (unsigned long long)rid, off, len, seed);
+    fflush(kvft_child.to);
+}
+
+/* Reads the child initiator's reply to a WRITE: the call's status, the
+ * task's state (state holds 32 bytes) and the task's error. */
+static inline void kvft_child_done(int *code, char *state, int *task_error) {
+    char line[128];
+    CHECK(fgets(line, sizeof line, kvft_child.from) != NULL, "child went away");
+    CHECK(sscanf(line, "DONE %d %31s %d", code, state, task_error) == 3, "child said %s", line);
+}
+
+/* The start of a paused round: the child writes len bytes of pattern seed
+ * at the owner's offset off with request id rid, and once a MiB of it
+ * landed (counted from the owner's owner_bytes_in, which was bytes_in0
+ * before) the child is stopped. Returns the bytes landed by the stop. */
+static inline uint64_t kvft_child_write_then_stop(uint64_t rid, size_t off, size_t len, uint32_t seed,
+                                                  uint64_t bytes_in0) {
+    kvft_child_write(rid, off, len, seed);
+    double deadline = kvft_now_ms() + 10000;
+    while (kvft_stats(owner).owner_bytes_in - bytes_in0 < MiB)
+        CHECK(kvft_now_ms() < deadline, "no MiB of the child's WRITE landed in 10 s");
+    kvft_signal_child(SIGSTOP);
+    return kvft_stats(owner).owner_bytes_in - bytes_in0;
+}
+
 #endif

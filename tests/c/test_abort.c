@@ -453,13 +453,7 @@ static int paused_round(const char *child_name, uint64_t rid, int then_kill) {
     const uint32_t old_seed = 300 + (uint32_t)rid, new_seed = 400 + (uint32_t)rid;
     memset(omem + slot, 0, len);
     kvf_stats s0 = kvft_stats(owner);
-    fprintf(kvft_child.to, "WRITE %llu %zu %zu %u\n", (unsigned long long)rid, slot, len, old_seed);
-    fflush(kvft_child.to);
-    double deadline = kvft_now_ms() + 10000;
-    while (kvft_stats(owner).owner_bytes_in - s0.owner_bytes_in < MiB)
-        CHECK(kvft_now_ms() < deadline, "no MiB of the child's WRITE landed in 10 s");
-    kvft_signal_child(SIGSTOP);
-    uint64_t landed = kvft_stats(owner).owner_bytes_in - s0.owner_bytes_in;
+    uint64_t landed = kvft_child_write_then_stop(rid, slot, len, old_seed, s0.owner_bytes_in);
 
     const char *names[1] = {child_name};
     kvf_abort_result ar;
@@ -480,13 +474,12 @@ static int paused_round(const char *child_name, uint64_t rid, int then_kill) {
         kvft_signal_child(SIGKILL);
     } else {
         kvft_signal_child(SIGCONT);
-        char line[128];
-        CHECK(fgets(line, sizeof line, kvft_child.from) != NULL, "child went away");
-        int code = -1;
+        int code = -1, task_error = -1;
         char state[32] = "";
-        CHECK(sscanf(line, "DONE %d %31s", &code, state) == 2, "child said %s", line);
+        kvft_child_done(&code, state, &task_error);
         caught = code == KVF_ERR_ABORTED && strcmp(state, "ABORTED") == 0;
-        CHECK(caught || (code == KVF_OK && strcmp(state, "COMPLETED") == 0), "child's WRITE: %s", line);
+        CHECK(caught || (code == KVF_OK && strcmp(state, "COMPLETED") == 0), "child's WRITE: status %d (%s), %s",
+              code, kvf_status_str(code), state);
     }
     /* Give anything still on its way time to (wrongly) land. */
     usleep(100 * 1000);
@@ -512,11 +505,12 @@ static void test_paused_initiator(const char *self) {
     CHECK(caught, "the SIGSTOP never caught a WRITE in the middle in 5 tries");
     /* The child still works after its request was aborted. */
     memset(omem + 16 * MiB, 0, MiB);
-    fprintf(kvft_child.to, "WRITE %llu %u %u %u\n", (unsigned long long)rid, 16 * MiB, MiB, 77u);
-    fflush(kvft_child.to);
-    char line[128];
-    CHECK(fgets(line, sizeof line, kvft_child.from) != NULL, "child went away");
-    CHECK(strncmp(line, "DONE 0 COMPLETED", 16) == 0, "child's WRITE of a new request: %s", line);
+    kvft_child_write(rid, 16 * MiB, MiB, 77u);
+    int code = -1, task_error = -1;
+    char state[32] = "";
+    kvft_child_done(&code, state, &task_error);
+    CHECK(code == KVF_OK && strcmp(state, "COMPLETED") == 0, "child's WRITE of a new request: %d (%s), %s", code,
+          kvf_status_str(code), state);
     CHECK(kvft_verify(omem + 16 * MiB, MiB, 77) < 0, "child's new WRITE did not land");
     rid++;
 

@@ -233,18 +233,6 @@ static void test_stats(void) {
 
 /* ---- 5. a paused writer in another process ------------------------------ */
 
-/* Sends one WRITE to the child; child_done reads its reply. */
-static void child_write(size_t off, size_t len, uint32_t seed) {
-    fprintf(kvft_child.to, "WRITE 0 %zu %zu %u\n", off, len, seed);
-    fflush(kvft_child.to);
-}
-
-static void child_done(int *code, char *state, int *task_error) {
-    char line[128];
-    CHECK(fgets(line, sizeof line, kvft_child.from) != NULL, "child went away");
-    CHECK(sscanf(line, "DONE %d %31s %d", code, state, task_error) == 3, "child said %s", line);
-}
-
 /* One round: the child writes the whole slot with request id 0; once some
  * of it landed the child is stopped, the owner fences the slot (safe by its
  * deadline, whatever the stopped child holds) and reuses it at once; then
@@ -257,12 +245,7 @@ static int paused_round(int round, uint64_t *acks) {
     const uint32_t old_seed = 300 + (uint32_t)round, new_seed = 400 + (uint32_t)round;
     memset(omem + slot, 0, len);
     kvf_stats s0 = kvft_stats(owner);
-    child_write(slot, len, old_seed);
-    double deadline = kvft_now_ms() + 10000;
-    while (kvft_stats(owner).owner_bytes_in - s0.owner_bytes_in < MiB)
-        CHECK(kvft_now_ms() < deadline, "round %d: no MiB of the child's WRITE landed in 10 s", round);
-    kvft_signal_child(SIGSTOP);
-    uint64_t landed = kvft_stats(owner).owner_bytes_in - s0.owner_bytes_in;
+    uint64_t landed = kvft_child_write_then_stop(0, slot, len, old_seed, s0.owner_bytes_in);
 
     /* The deadline is long so that the notice is still resent, and its
      * acknowledgement counted, when the child runs again. */
@@ -277,7 +260,7 @@ static int paused_round(int round, uint64_t *acks) {
     kvft_signal_child(SIGCONT);
     int code = -1, task_error = -1;
     char state[32] = "";
-    child_done(&code, state, &task_error);
+    kvft_child_done(&code, state, &task_error);
     int caught = code == KVF_ERR_FENCED && strcmp(state, "FAILED") == 0 && task_error == KVF_ERR_FENCED;
     CHECK(caught || (code == KVF_OK && strcmp(state, "COMPLETED") == 0),
           "round %d: child's WRITE: status %d (%s), %s, task error %d", round, code, kvf_status_str(code), state,
@@ -309,10 +292,10 @@ static void test_paused_writer(const char *self) {
 
     /* The next request into the same pages, planned after the fence, lands. */
     memset(omem, 0, 2 * MiB);
-    child_write(MiB, MiB, 77u);
+    kvft_child_write(0, MiB, MiB, 77u);
     int code = -1, task_error = -1;
     char state[32] = "";
-    child_done(&code, state, &task_error);
+    kvft_child_done(&code, state, &task_error);
     CHECK(code == KVF_OK && strcmp(state, "COMPLETED") == 0, "child's next WRITE: %d (%s), %s", code,
           kvf_status_str(code), state);
     CHECK(kvft_verify(omem + MiB, MiB, 77) < 0, "child's next WRITE did not land");
