@@ -107,40 +107,15 @@ func runTraffic(c config, e *engine.Engine, seg *engine.Segment, local, remote u
 	announce func(th int, rid uint64, starting bool)) []trafficResult {
 	results := make([]trafficResult, c.threads)
 	perThread := c.rate * 1e6 / float64(c.threads) // bytes per second
-	pieces := min(c.batchSize, c.blockSize)
 	var wg sync.WaitGroup
 	for th := 0; th < c.threads; th++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			r := &results[th]
-			base := uint64(th) * uint64(c.blockSize)
-			reqs := make([]engine.Request, pieces)
-			piece := uint64(c.blockSize / pieces)
-			for i := range reqs {
-				n := piece
-				if i == pieces-1 {
-					n = uint64(c.blockSize) - piece*uint64(pieces-1)
-				}
-				off := base + uint64(i)*piece
-				reqs[i] = engine.Request{Op: engine.Write, Local: local + off, Segment: seg, Remote: remote + off, Length: n}
-			}
-			next := time.Now()
-			for seq := uint64(1); ; seq++ {
-				now := time.Now()
-				if !now.Before(stop) {
-					return
-				}
-				d := next.Sub(now)
-				if d > 0 {
-					// Not past stop: a slow rate must not overrun the run.
-					time.Sleep(min(d, stop.Sub(now)))
-					seq--
-					continue
-				}
-				if d < -50*time.Millisecond {
-					next = now // fell behind: no burst to catch up
-				}
+			reqs := threadRequests(c, th, local, seg, remote)
+			pace := newPacer(perThread, stop)
+			for seq := uint64(1); pace.due(); seq++ {
 				rid := uint64(th+1)<<ridThreadShift | seq
 				for i := range reqs {
 					reqs[i].RequestID = rid
@@ -179,7 +154,7 @@ func runTraffic(c config, e *engine.Engine, seg *engine.Segment, local, remote u
 					r.aborted++
 					r.struck = append(r.struck, rid)
 				}
-				next = next.Add(time.Duration(float64(moved) / perThread * float64(time.Second)))
+				pace.spent(moved)
 			}
 		}()
 	}
@@ -245,17 +220,12 @@ func runAbort(c config) error {
 	if c.segment != "" {
 		return runAbortInitiator(c)
 	}
-	opts := c.engineOptions()
-	owner, err := engine.New(opts)
+	size := c.threads * c.blockSize
+	owner, slotBuf, err := c.newEngine(size)
 	if err != nil {
 		return err
 	}
 	defer owner.Close()
-	size := c.threads * c.blockSize
-	slotBuf, err := owner.AllocBuffer(size, "*")
-	if err != nil {
-		return err
-	}
 	slots := newSlotTable(c.threads)
 	dur := time.Duration(c.duration * float64(time.Second))
 	procs := 1
@@ -277,15 +247,11 @@ func runAbort(c config) error {
 	before := owner.Stats()
 	start := time.Now()
 	if !c.twoProcess {
-		prefill, err := engine.New(opts)
+		prefill, src, err := c.newEngine(size)
 		if err != nil {
 			return err
 		}
 		defer prefill.Close()
-		src, err := prefill.AllocBuffer(size, "*")
-		if err != nil {
-			return err
-		}
 		fill(src, 0, c.seed)
 		seg, err := prefill.OpenSegment(context.Background(), owner.Name())
 		if err != nil {
@@ -572,16 +538,12 @@ func runAbortInitiator(c config) error {
 	if c.threads > 255 {
 		return errors.New("--two-process: at most 255 threads")
 	}
-	e, err := engine.New(c.engineOptions())
+	size := c.threads * c.blockSize
+	e, src, err := c.newEngine(size)
 	if err != nil {
 		return err
 	}
 	defer e.Close()
-	size := c.threads * c.blockSize
-	src, err := e.AllocBuffer(size, "*")
-	if err != nil {
-		return err
-	}
 	fill(src, 0, c.seed)
 	ctx := context.Background()
 	seg, err := e.OpenSegment(ctx, c.segment)

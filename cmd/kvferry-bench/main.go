@@ -148,6 +148,21 @@ func (c *config) engineOptions() engine.Options {
 	return engine.Options{Host: c.host, SliceSize: c.sliceSize, PathsPerPeer: c.pathCount}
 }
 
+// newEngine starts an engine with c's options and allocates size bytes of
+// its memory, in any location. The caller closes the engine.
+func (c *config) newEngine(size int) (*engine.Engine, []byte, error) {
+	e, err := engine.New(c.engineOptions())
+	if err != nil {
+		return nil, nil, err
+	}
+	buf, err := e.AllocBuffer(size, "*")
+	if err != nil {
+		e.Close()
+		return nil, nil, err
+	}
+	return e, buf, nil
+}
+
 // fill writes the pattern of seed into b, as it would stand at offset off of
 // the whole buffer, so any slice of it can be checked independently.
 func fill(b []byte, off int, seed uint64) {
@@ -190,15 +205,11 @@ func verify(b []byte, start int, seed uint64) error {
 }
 
 func runTarget(c config) error {
-	e, err := engine.New(c.engineOptions())
+	e, buf, err := c.newEngine(c.bufferSize)
 	if err != nil {
 		return err
 	}
 	defer e.Close()
-	buf, err := e.AllocBuffer(c.bufferSize, "*")
-	if err != nil {
-		return err
-	}
 	fill(buf, 0, c.seed) // what READs from initiators expect
 	fmt.Printf("target ready: segment=%s buffer=%#x size=%d\n", e.Name(), engine.AddrOf(buf), len(buf))
 	sig := make(chan os.Signal, 1)
@@ -208,15 +219,11 @@ func runTarget(c config) error {
 }
 
 func runLoopback(c config) error {
-	target, err := engine.New(c.engineOptions())
+	target, buf, err := c.newEngine(c.bufferSize)
 	if err != nil {
 		return err
 	}
 	defer target.Close()
-	buf, err := target.AllocBuffer(c.bufferSize, "*")
-	if err != nil {
-		return err
-	}
 	fill(buf, 0, c.seed)
 	c.segment = target.Name()
 	return runInitiator(c, buf)
@@ -231,15 +238,11 @@ type result struct {
 // runInitiator runs the timed loop against c.segment. In loopback mode
 // targetBuf is the target's buffer, checked directly as well.
 func runInitiator(c config, targetBuf []byte) error {
-	e, err := engine.New(c.engineOptions())
+	e, local, err := c.newEngine(c.bufferSize)
 	if err != nil {
 		return err
 	}
 	defer e.Close()
-	local, err := e.AllocBuffer(c.bufferSize, "*")
-	if err != nil {
-		return err
-	}
 	ctx := context.Background()
 	seg, err := e.OpenSegment(ctx, c.segment)
 	if err != nil {
