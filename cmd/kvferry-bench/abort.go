@@ -213,6 +213,16 @@ func drainEvents(e *engine.Engine, aborted *atomic.Uint64) {
 	}
 }
 
+// verdict prints and returns the failures of an abort or fence run
+// (errAbortFail), or nil when there were none.
+func verdict(bench string, fails []error) error {
+	if err := errors.Join(fails...); err != nil {
+		fmt.Printf("FAIL: %s benchmark: %v\n", bench, err)
+		return fmt.Errorf("%w: %w", errAbortFail, err)
+	}
+	return nil
+}
+
 // runAbort is --mode abort: the owner side and the report, with the
 // initiator in this process or (--two-process) in a child. With --segment
 // it is that child instead.
@@ -496,11 +506,7 @@ loop:
 	if len(recs) == 0 {
 		fails = append(fails, errors.New("no abort was measured"))
 	}
-	if err := errors.Join(fails...); err != nil {
-		fmt.Printf("FAIL: abort benchmark: %v\n", err)
-		return fmt.Errorf("%w: %w", errAbortFail, err)
-	}
-	return nil
+	return verdict("abort", fails)
 }
 
 // ownerAnnouncements follows the two-process initiator's announcements on

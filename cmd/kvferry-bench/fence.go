@@ -240,11 +240,7 @@ func runFence(c config) error {
 	if len(fenceLat) == 0 {
 		fails = append(fails, errors.New("no fence was measured"))
 	}
-	if err := errors.Join(fails...); err != nil {
-		fmt.Printf("FAIL: fence benchmark: %v\n", err)
-		return fmt.Errorf("%w: %w", errAbortFail, err)
-	}
-	return nil
+	return verdict("fence", fails)
 }
 
 func errSuffix(err error) string {
