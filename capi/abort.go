@@ -167,19 +167,19 @@ func kvfgo_poll_events(h C.uintptr_t, out *C.kvf_event, capacity C.size_t, nOut 
 	})
 }
 
+// eventTypes are the kvf_event_type values of the engine's event kinds.
+var eventTypes = map[engine.EventKind]C.uint32_t{
+	engine.EventAborted:  C.KVF_EVENT_ABORTED,
+	engine.EventNotify:   C.KVF_EVENT_NOTIFY,
+	engine.EventCanceled: C.KVF_EVENT_CANCELED,
+}
+
 // putEvent fills a C event. Peer names and data fit: segment names are
 // shorter than KVF_EVENT_PEER_MAX for every host kvferry binds (checked
 // here all the same), and data is capped at KVF_EVENT_DATA_MAX on the wire.
 func putEvent(c *C.kvf_event, ev *engine.Event) {
 	*c = C.kvf_event{}
-	switch ev.Kind {
-	case engine.EventAborted:
-		c._type = C.KVF_EVENT_ABORTED
-	case engine.EventNotify:
-		c._type = C.KVF_EVENT_NOTIFY
-	case engine.EventCanceled:
-		c._type = C.KVF_EVENT_CANCELED
-	}
+	c._type = eventTypes[ev.Kind] // 0 for a kind C does not know
 	c.request_id = C.uint64_t(ev.RequestID)
 	c.generation = C.uint64_t(ev.Generation)
 	peer := unsafe.Slice((*byte)(unsafe.Pointer(&c.peer[0])), C.KVF_EVENT_PEER_MAX)

@@ -69,68 +69,51 @@ const (
 // errHandle marks errors about handles.
 var errHandle = errors.New("invalid handle")
 
-// codeOf maps an error to its status code. The most specific cause wins: a
-// task that failed because the owner refused a stale key reports
+// causes maps errors to status codes, the most specific cause first: a task
+// that failed because the owner refused a stale key reports
 // KVF_ERR_STALE_KEY, and one the owner's fence refused KVF_ERR_FENCED, not
 // KVF_ERR_REFUSED or KVF_ERR_TRANSFER_FAILED.
+var causes = []struct {
+	code C.int
+	errs []error
+}{
+	{errHandleCode, []error{errHandle, engine.ErrBatchFreed}},
+	{errInUse, []error{engine.ErrMemoryInUse}},
+	{errClosed, []error{engine.ErrClosed, transport.ErrClosed, control.ErrClosed}},
+	{errUnreachable, []error{engine.ErrUnreachable, engine.ErrPeerDead}},
+	{errTimeout, []error{engine.ErrTimeout, context.DeadlineExceeded}},
+	{errCanceled, []error{engine.ErrCanceled, transport.ErrCanceled, context.Canceled}},
+	{errStaleKey, []error{engine.ErrStaleKey}},
+	{errOverlap, []error{engine.ErrOverlap}},
+	{errRemoteRange, []error{engine.ErrRemoteRange}},
+	{errNotRegistered, []error{engine.ErrNotRegistered, memory.ErrUnregistered}},
+	{errAborted, []error{engine.ErrAborted}},
+	{errFenced, []error{engine.ErrFenced}},
+	{errRefused, []error{engine.ErrRefused}},
+	{errRemoteRange, []error{engine.ErrOutOfBounds}},
+	{errBatchFull, []error{engine.ErrBatchFull}},
+	{errBusy, []error{engine.ErrBatchBusy, engine.ErrBusy}},
+	{errUnsupported, []error{engine.ErrUnsupported}},
+	{errProtocol, []error{control.ErrMalformed, transport.ErrProtocol}},
+	{errConnection, []error{engine.ErrConnection}},
+	{errUnreachable, []error{engine.ErrSegmentUnknown}},
+	{errInvalid, []error{engine.ErrInvalidArg, memory.ErrInvalidRange}},
+	{errNoMemory, []error{syscall.ENOMEM}},
+	{errTransferFailed, []error{engine.ErrTransferFailed, control.ErrRemote}},
+}
+
+// codeOf maps an error to its status code: KVF_OK for nil, the code of the
+// first row of causes with an error that err wraps, else KVF_ERR_INTERNAL.
 func codeOf(err error) C.int {
-	is := func(targets ...error) bool {
-		for _, t := range targets {
-			if errors.Is(err, t) {
-				return true
+	if err == nil {
+		return statusOK
+	}
+	for _, c := range causes {
+		for _, target := range c.errs {
+			if errors.Is(err, target) {
+				return c.code
 			}
 		}
-		return false
-	}
-	switch {
-	case err == nil:
-		return statusOK
-	case is(errHandle, engine.ErrBatchFreed):
-		return errHandleCode
-	case is(engine.ErrMemoryInUse):
-		return errInUse
-	case is(engine.ErrClosed, transport.ErrClosed, control.ErrClosed):
-		return errClosed
-	case is(engine.ErrUnreachable, engine.ErrPeerDead):
-		return errUnreachable
-	case is(engine.ErrTimeout, context.DeadlineExceeded):
-		return errTimeout
-	case is(engine.ErrCanceled, transport.ErrCanceled, context.Canceled):
-		return errCanceled
-	case is(engine.ErrStaleKey):
-		return errStaleKey
-	case is(engine.ErrOverlap):
-		return errOverlap
-	case is(engine.ErrRemoteRange):
-		return errRemoteRange
-	case is(engine.ErrNotRegistered, memory.ErrUnregistered):
-		return errNotRegistered
-	case is(engine.ErrAborted):
-		return errAborted
-	case is(engine.ErrFenced):
-		return errFenced
-	case is(engine.ErrRefused):
-		return errRefused
-	case is(engine.ErrOutOfBounds):
-		return errRemoteRange
-	case is(engine.ErrBatchFull):
-		return errBatchFull
-	case is(engine.ErrBatchBusy, engine.ErrBusy):
-		return errBusy
-	case is(engine.ErrUnsupported):
-		return errUnsupported
-	case is(control.ErrMalformed, transport.ErrProtocol):
-		return errProtocol
-	case is(engine.ErrConnection):
-		return errConnection
-	case is(engine.ErrSegmentUnknown):
-		return errUnreachable
-	case is(engine.ErrInvalidArg, memory.ErrInvalidRange):
-		return errInvalid
-	case is(syscall.ENOMEM):
-		return errNoMemory
-	case is(engine.ErrTransferFailed, control.ErrRemote):
-		return errTransferFailed
 	}
 	return errInternal
 }
