@@ -33,11 +33,10 @@ func goName(p *C.char) (string, bool) {
 //export kvfgo_abort
 func kvfgo_abort(h C.uintptr_t, rid C.uint64_t, initiators **C.char, n C.size_t, timeoutMs C.int, out *C.kvf_abort_result) C.int {
 	return withHandle("kvf_abort", h, func(fn string, eh *engineH) C.int {
+		if st := checkResult(fn, "kvf_abort_result", unsafe.Pointer(out), unsafe.Sizeof(*out)); st != statusOK {
+			return st
+		}
 		switch {
-		case out == nil:
-			return failf(fn, errInvalid, "out is NULL")
-		case uintptr(out.struct_size) < unsafe.Sizeof(C.kvf_abort_result{}):
-			return failf(fn, errInvalid, "out->struct_size %d: set it to sizeof(kvf_abort_result)", out.struct_size)
 		case n > 0 && initiators == nil:
 			return failf(fn, errInvalid, "initiators is NULL with n = %d", n)
 		case n > engine.MaxAbortInitiators:

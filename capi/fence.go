@@ -27,11 +27,10 @@ const (
 //export kvfgo_fence_memory
 func kvfgo_fence_memory(h C.uintptr_t, addrs, lengths *C.uint64_t, n C.size_t, timeoutMs C.int, out *C.kvf_fence_result) C.int {
 	return withHandle("kvf_fence_memory", h, func(fn string, eh *engineH) C.int {
+		if st := checkResult(fn, "kvf_fence_result", unsafe.Pointer(out), unsafe.Sizeof(*out)); st != statusOK {
+			return st
+		}
 		switch {
-		case out == nil:
-			return failf(fn, errInvalid, "out is NULL")
-		case uintptr(out.struct_size) < unsafe.Sizeof(C.kvf_fence_result{}):
-			return failf(fn, errInvalid, "out->struct_size %d: set it to sizeof(kvf_fence_result)", out.struct_size)
 		case n == 0:
 			return failf(fn, errInvalid, "no ranges (n is 0)")
 		case n > C.KVF_FENCE_RANGES_MAX:

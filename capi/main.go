@@ -371,6 +371,26 @@ func checkArray(fn, what, param string, p unsafe.Pointer, n C.size_t) C.int {
 	return statusOK
 }
 
+// checkResult checks the out argument of a call that fills a result struct
+// of C type name, whose first field is uint32_t struct_size: not NULL, and
+// struct_size at least size, the struct's size in this header.
+func checkResult(fn, name string, out unsafe.Pointer, size uintptr) C.int {
+	switch {
+	case out == nil:
+		return failf(fn, errInvalid, "out is NULL")
+	case uintptr(*(*C.uint32_t)(out)) < size:
+		return failf(fn, errInvalid, "out->struct_size %d: set it to sizeof(%s)", *(*C.uint32_t)(out), name)
+	}
+	return statusOK
+}
+
+// The result structs checkResult reads start with struct_size: each
+// constant fails to compile (a negative uintptr) otherwise.
+const (
+	_ = -unsafe.Offsetof(C.kvf_abort_result{}.struct_size)
+	_ = -unsafe.Offsetof(C.kvf_fence_result{}.struct_size)
+)
+
 // cBool is a C result's 0/1 flag.
 func cBool(b bool) C.uint32_t {
 	if b {
