@@ -1,8 +1,9 @@
 package main
 
 // --mode abort: abort latency (Abort called -> returned Safe) with WRITE
-// traffic in flight, the figure SAFETY.md asks for. The
-// owner (decode) is the engine whose memory the initiator (prefill) writes;
+// traffic in flight: how long an owner waits before it may reuse the memory
+// of an aborted request (docs/SAFETY.md says what a safe abort promises).
+// The owner (decode) is the engine whose memory the initiator (prefill) writes;
 // it aborts request ids that are in flight and times each call. A same-run
 // baseline, an owner -> initiator Notify round trip, sits next to it so the
 // latency can be read as a ratio: absolute figures on these machines vary by
