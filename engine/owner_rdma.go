@@ -1,0 +1,87 @@
+package engine
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/transport/rdma"
+)
+
+// handleTransport serves a peer's rdma handshake request (on the plane's
+// loop: the work is a few verbs calls).
+func (e *Engine) handleTransport(from string, body []byte) (control.MsgType, []byte) {
+	if e.rdma == nil {
+		return control.MsgError, []byte("no rdma transport here")
+	}
+	rep, err := e.rdma.Serve(from, body)
+	if err != nil {
+		if errors.Is(err, rdma.ErrFencePending) {
+			e.log.Debug("kvferry: rdma connect refused until the abort is acknowledged", "peer", from)
+		} else {
+			e.controlMalformed("TRANSPORT", from, err)
+		}
+		return control.MsgError, []byte(err.Error())
+	}
+	return control.MsgTransportRep, rep
+}
+
+// admitInitiator refuses an initiator's new QPs while it owes the ACK of
+// an abort whose fence cut its old ones, and sends those ABORTs again: an
+// ACK lost after the abort's deadline must not lock it out for good.
+func (e *Engine) admitInitiator(initiator string) error {
+	e.fenceMu.Lock()
+	pend := make([]abortKey, 0, len(e.fenced[initiator]))
+	for k := range e.fenced[initiator] {
+		pend = append(pend, k)
+	}
+	e.fenceMu.Unlock()
+	if len(pend) == 0 {
+		return nil
+	}
+	for _, k := range pend {
+		_ = e.plane.Send(initiator, control.MsgAbort, control.AbortMsg{RequestID: k.rid, Generation: k.gen}.Encode())
+	}
+	return fmt.Errorf("%w: %d aborts of %s unacknowledged", rdma.ErrFencePending, len(pend), initiator)
+}
+
+// maxFenceDebts bounds the unacknowledged fences remembered. They are not
+// forgotten to make room: an initiator whose debt was dropped could connect
+// again without knowing of the abort. Past the bound, Abort reports not
+// Safe instead of fencing.
+const maxFenceDebts = 1 << 20
+
+// noteFence records, before the fence, that initiator owes an ACK for k.
+func (e *Engine) noteFence(initiator string, k abortKey) error {
+	e.fenceMu.Lock()
+	defer e.fenceMu.Unlock()
+	m := e.fenced[initiator]
+	if _, ok := m[k]; ok {
+		return nil
+	}
+	if e.nfenced >= maxFenceDebts {
+		return fmt.Errorf("%d rdma fences await their initiators' ACKs (at most %d): %w", e.nfenced, maxFenceDebts, ErrBusy)
+	}
+	if m == nil {
+		m = map[abortKey]struct{}{}
+		e.fenced[initiator] = m
+	}
+	m[k] = struct{}{}
+	e.nfenced++
+	return nil
+}
+
+// ackedFence clears initiator's debt for k.
+func (e *Engine) ackedFence(initiator string, k abortKey) {
+	e.fenceMu.Lock()
+	if m := e.fenced[initiator]; m != nil {
+		if _, ok := m[k]; ok {
+			delete(m, k)
+			e.nfenced--
+		}
+		if len(m) == 0 {
+			delete(e.fenced, initiator)
+		}
+	}
+	e.fenceMu.Unlock()
+}
