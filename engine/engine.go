@@ -58,9 +58,13 @@ type Engine struct {
 	plane *control.Plane
 	tcp   *tcp.Transport
 	local *local.Transport
-	rdma  *rdma.Transport    // nil without RDMA devices or with Protocol "tcp"
-	desc  control.Descriptor // transports part; buffers are filled per request
-	epoch atomic.Uint64
+	rdma  *rdma.Transport // nil without RDMA devices or with Protocol "tcp"
+	// transports are the abilities of tcp, local and rdma (when up), found
+	// once by abilitiesOf: every behaviour check goes through them, the
+	// concrete fields above only set the transports up, dial and count.
+	transports []abilities
+	desc       control.Descriptor // transports part; buffers are filled per request
+	epoch      atomic.Uint64
 
 	// peerLog rate-limits the warnings a peer can cause.
 	peerLog *ratelog.Limiter
@@ -220,6 +224,7 @@ func New(opts Options) (*Engine, error) {
 		_ = plane.Close()
 		return nil, fmt.Errorf("kvferry: %w", err)
 	}
+	e.findTransports()
 	e.resolver = opts.Resolver
 	if e.resolver == nil {
 		e.resolver = p2pResolver{e.plane}

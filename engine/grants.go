@@ -7,7 +7,6 @@ import (
 	"slices"
 
 	"github.com/kvferry/kvferry/engine/requests"
-	"github.com/kvferry/kvferry/engine/transport"
 )
 
 // GrantRange is an owner address range of a grant.
@@ -48,16 +47,14 @@ func (e *Engine) Revoke(ctx context.Context, grantID uint64) error {
 	}
 	// An initiator holding rkeys admitted under the grant (rdma) is cut:
 	// it asks again after reconnecting, and is refused.
-	for _, t := range e.servers() {
-		h, okh := t.(transport.AccessTracker)
-		f, okf := t.(transport.Fencer)
-		if !okh || !okf || !slices.Contains(h.Holders(g.RequestID), g.Initiator) {
+	for _, a := range e.servers() {
+		if a.tracker == nil || a.fencer == nil || !slices.Contains(a.tracker.Holders(g.RequestID), g.Initiator) {
 			continue
 		}
-		if fe, ok := t.(interface{ FenceEnabled() bool }); ok && !fe.FenceEnabled() {
+		if a.fence() == nil {
 			return fmt.Errorf("revoke grant %d: %s holds rkeys and the rdma fence is off: %w", grantID, g.Initiator, ErrUnsupported)
 		}
-		if err := f.Fence(ctx, g.Initiator); err != nil {
+		if err := a.fencer.Fence(ctx, g.Initiator); err != nil {
 			return fmt.Errorf("revoke grant %d: fence %s: %w", grantID, g.Initiator, err)
 		}
 	}

@@ -116,12 +116,15 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 // request without the owner's answer: it may still land. Paths of tcp and
 // local have nothing to drain once their slices ended. It never blocks.
 func (e *Engine) pathsToDrain(k tombKey, segs []*Segment) (drainers []transport.Drainer, uncertain bool) {
-	if e.rdma != nil {
-		if e.rdma.Uncertain(k.owner, k.rid) {
+	for _, a := range e.servers() {
+		if a.uncertain == nil {
+			continue
+		}
+		if a.uncertain.Uncertain(k.owner, k.rid) {
 			return nil, true
 		}
 		for _, seg := range segs {
-			if e.rdma.Uncertain(seg.name, k.rid) {
+			if a.uncertain.Uncertain(seg.name, k.rid) {
 				return nil, true
 			}
 		}

@@ -145,22 +145,16 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 	needAcks := unsafe
 	var fences []transport.Fencer
 	if !unsafe {
-		for _, t := range e.servers() {
-			if c, ok := t.(transport.OwnerCopier); ok && c.OwnerCopies() {
-				continue
-			}
-			if _, ok := t.(transport.AccessTracker); ok && named == 0 {
-				continue // no initiator holds access to the request through it
-			}
-			if fe, ok := t.(interface{ FenceEnabled() bool }); ok && !fe.FenceEnabled() {
+		for _, a := range e.servers() {
+			switch {
+			case a.ownerCopies:
+			case a.tracker != nil && named == 0:
+				// No initiator holds access to the request through it.
+			case a.fence() != nil && named > 0:
+				fences = append(fences, a.fence())
+			default:
 				needAcks = true
-				continue
 			}
-			if f, ok := t.(transport.Fencer); ok && named > 0 {
-				fences = append(fences, f)
-				continue
-			}
-			needAcks = true
 		}
 	}
 	pa := &pendingAbort{rid: requestID, gen: gen, wait: wait, drainedOnly: !unsafe, done: make(chan struct{}),
@@ -270,9 +264,9 @@ func (e *Engine) firstNoRIDWarning(name string) bool {
 // bytes on some transport (rdma rkeys).
 func (e *Engine) holders(requestID uint64) []string {
 	var out []string
-	for _, t := range e.servers() {
-		if h, ok := t.(transport.AccessTracker); ok {
-			out = append(out, h.Holders(requestID)...)
+	for _, a := range e.servers() {
+		if a.tracker != nil {
+			out = append(out, a.tracker.Holders(requestID)...)
 		}
 	}
 	return out
@@ -416,16 +410,10 @@ func (e *Engine) handleAbortAck(from string, body []byte) (control.MsgType, []by
 // the owner's QP fence fences, an ACK after a cut path is as good as any
 // for learning that the initiator stopped.
 func (e *Engine) needDrainedAcks() bool {
-	for _, t := range e.servers() {
-		if c, ok := t.(transport.OwnerCopier); ok && c.OwnerCopies() {
-			continue
+	for _, a := range e.servers() {
+		if !a.ownerCopies && a.fence() == nil {
+			return true
 		}
-		if _, ok := t.(transport.Fencer); ok {
-			if fe, ok := t.(interface{ FenceEnabled() bool }); !ok || fe.FenceEnabled() {
-				continue
-			}
-		}
-		return true
 	}
 	return false
 }

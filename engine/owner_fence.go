@@ -119,16 +119,23 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 	// handed out before the new epoch reach the whole registration. After
 	// the cut, an initiator's work reaches us only on QPs connected later,
 	// with rkeys admitted under the epoch just published.
-	if e.rdma != nil {
-		if inits := e.rdma.Initiators(); len(inits) > 0 && !e.rdma.FenceEnabled() {
-			reason = fmt.Errorf("rdma initiators %v may hold rkeys and the rdma fence is off (KVFERRY_RDMA_FENCE=0): %w", inits, ErrUnsupported)
-		} else {
-			for _, name := range inits {
-				if err := e.rdma.Fence(ctx, name); err != nil && reason == nil {
-					reason = fmt.Errorf("rdma fence of %s: %w", name, err)
-				}
-				res.Cut = append(res.Cut, name)
+	for _, a := range e.servers() {
+		if a.initiators == nil {
+			continue
+		}
+		inits := a.initiators.Initiators()
+		f := a.fence()
+		if len(inits) > 0 && f == nil {
+			if reason == nil {
+				reason = fmt.Errorf("%s initiators %v may hold rkeys and the %s fence is off (KVFERRY_RDMA_FENCE=0): %w", a.t.Name(), inits, a.t.Name(), ErrUnsupported)
 			}
+			continue
+		}
+		for _, name := range inits {
+			if err := f.Fence(ctx, name); err != nil && reason == nil {
+				reason = fmt.Errorf("%s fence of %s: %w", a.t.Name(), name, err)
+			}
+			res.Cut = append(res.Cut, name)
 		}
 	}
 

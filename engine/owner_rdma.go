@@ -5,16 +5,25 @@ import (
 	"fmt"
 
 	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/engine/transport/rdma"
 )
 
 // handleTransport serves a peer's rdma handshake request (on the plane's
-// loop: the work is a few verbs calls).
+// loop: the work is a few verbs calls) with the transport that serves them
+// (transport.HandshakeServer).
 func (e *Engine) handleTransport(from string, body []byte) (control.MsgType, []byte) {
-	if e.rdma == nil {
+	var hs transport.HandshakeServer
+	for _, a := range e.servers() {
+		if a.handshakes != nil {
+			hs = a.handshakes
+			break
+		}
+	}
+	if hs == nil {
 		return control.MsgError, []byte("no rdma transport here")
 	}
-	rep, err := e.rdma.Serve(from, body)
+	rep, err := hs.Serve(from, body)
 	if err != nil {
 		if errors.Is(err, rdma.ErrFencePending) {
 			e.log.Debug("kvferry: rdma connect refused until the abort is acknowledged", "peer", from)

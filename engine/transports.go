@@ -9,23 +9,85 @@ import (
 	"github.com/kvferry/kvferry/engine/transport/rdma"
 )
 
-// servers returns the transports that serve accesses to our memory.
-func (e *Engine) servers() []transport.Transport {
-	if e.rdma != nil {
-		return []transport.Transport{e.tcp, e.local, e.rdma}
-	}
-	return []transport.Transport{e.tcp, e.local}
+// The abilities the engine relies on, beyond transport.Transport, that the
+// rdma transport has: checked here at build time, so that a renamed method
+// fails the build rather than quietly turning an ability off.
+var _ interface {
+	transport.Fencer
+	transport.FenceSwitch
+	transport.InitiatorLister
+	transport.HandshakeServer
+	transport.UncertainTracker
+	transport.AccessTracker
+	transport.OwnerCopier
+} = (*rdma.Transport)(nil)
+
+// abilities is what one of the engine's transports can do beyond
+// transport.Transport, found by type assertion once, in abilitiesOf, so
+// that Abort, Fence, Revoke and the drain all decide the same way which
+// fence applies.
+type abilities struct {
+	t transport.Transport
+	// ownerCopies: the owner's own code copies every byte (tcp, local), so
+	// refusal chunk by chunk fences its accesses.
+	ownerCopies bool
+	// fencer is the transport's owner-side fence of an initiator (rdma:
+	// its responder QPs to the error state), nil when it has none.
+	fencer transport.Fencer
+	// fenceOff: the transport's fence is switched off (FenceSwitch); its
+	// Fencer, if any, is not used then.
+	fenceOff bool
+	// tracker names the initiators holding access to a request ahead of
+	// its bytes (rdma rkeys).
+	tracker transport.AccessTracker
+	// initiators lists the initiators connected now, which a fence by
+	// memory range cuts.
+	initiators transport.InitiatorLister
+	// handshakes serves the transport's requests on the control plane.
+	handshakes transport.HandshakeServer
+	// uncertain tells work of a request lost without the owner's answer.
+	uncertain transport.UncertainTracker
 }
 
-// ownerCopiesAll reports whether every transport serving peers copies bytes
-// in the owner's own code, so that refusal fences them.
-func (e *Engine) ownerCopiesAll() bool {
-	for _, t := range e.servers() {
-		if c, ok := t.(transport.OwnerCopier); !ok || !c.OwnerCopies() {
-			return false
-		}
+// abilitiesOf finds what t can do, by type assertion on its optional
+// interfaces (see package transport).
+func abilitiesOf(t transport.Transport) abilities {
+	a := abilities{t: t}
+	if c, ok := t.(transport.OwnerCopier); ok {
+		a.ownerCopies = c.OwnerCopies()
 	}
-	return true
+	a.fencer, _ = t.(transport.Fencer)
+	if sw, ok := t.(transport.FenceSwitch); ok {
+		a.fenceOff = !sw.FenceEnabled()
+	}
+	a.tracker, _ = t.(transport.AccessTracker)
+	a.initiators, _ = t.(transport.InitiatorLister)
+	a.handshakes, _ = t.(transport.HandshakeServer)
+	a.uncertain, _ = t.(transport.UncertainTracker)
+	return a
+}
+
+// fence returns the transport's owner-side fence when it has one and it is
+// on, nil otherwise.
+func (a *abilities) fence() transport.Fencer {
+	if a.fenceOff {
+		return nil
+	}
+	return a.fencer
+}
+
+// servers returns the abilities of the transports that serve accesses to
+// our memory: every transport of the engine, found once the transports are
+// up (New).
+func (e *Engine) servers() []abilities { return e.transports }
+
+// findTransports records the abilities of the engine's transports; New
+// calls it once they are up.
+func (e *Engine) findTransports() {
+	e.transports = []abilities{abilitiesOf(e.tcp), abilitiesOf(e.local)}
+	if e.rdma != nil {
+		e.transports = append(e.transports, abilitiesOf(e.rdma))
+	}
 }
 
 // startRDMA opens the RDMA transport unless the protocol is tcp. With
