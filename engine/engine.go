@@ -8,7 +8,7 @@
 // batches of one-sided READ and WRITE requests between their own registered
 // memory and the peer's. Every request carries a request id, and every
 // synchronous call has a deadline: when it returns, the engine no longer
-// touches the memory it named (see SAFETY.md in the project's shared docs).
+// touches the memory it named (see docs/SAFETY.md).
 //
 // A transfer to the engine's own name uses a local memcpy transport.
 package engine
@@ -29,6 +29,7 @@ import (
 
 	"github.com/kvferry/kvferry/engine/control"
 	"github.com/kvferry/kvferry/engine/fence"
+	"github.com/kvferry/kvferry/engine/internal/bounded"
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/requests"
 	"github.com/kvferry/kvferry/engine/transport"
@@ -99,17 +100,16 @@ type Engine struct {
 	// Abort warns about once per initiator).
 	admitted    accessCache
 	noRIDMu     sync.Mutex
-	noRIDWarned map[string]bool
+	noRIDWarned *bounded.Set[string, struct{}]
 
 	// Initiator side: tombstones of requests owners aborted. abortMu is
 	// held shared by Submit from its tombstone check until its tasks are
 	// listed in their batch and the task index, and exclusively by an
 	// ABORT's handler.
 	abortMu       sync.RWMutex
-	tombs         map[tombKey]*tombstone
-	tombQueues    map[string][]uint64 // per owner, its tombstones' request ids, oldest first
-	maxTombOwners int                 // MaxTombstoneOwners; tests lower it
-	tasks         taskIndex           // tasks in flight by request id
+	tombOwners    *bounded.Set[string, *ownerTombs] // by owner, least recently aborting first
+	maxTombOwners int                               // MaxTombstoneOwners; tests lower it (setMaxTombOwners)
+	tasks         taskIndex                         // tasks in flight by request id
 
 	// The drain pool: aborted requests' drains, run by at most
 	// maxDrainers goroutines.
@@ -120,12 +120,11 @@ type Engine struct {
 	// Owner side of the rdma fence: aborts per initiator whose QPs were
 	// fenced and that initiator has not acknowledged; it may not connect
 	// new QPs meanwhile (see rdma.Options.AdmitInitiator).
-	fenceMu sync.Mutex
-	fenced  map[string]map[abortKey]struct{}
-	nfenced int
+	fenceMu    sync.Mutex
+	fenceDebts *bounded.Set[fenceDebt, struct{}]
 
 	protoMu   sync.Mutex
-	protoSaid map[string]string // peer -> transport chosen, logged once
+	protoSaid *bounded.Set[string, string] // peer -> transport chosen, logged once
 
 	// Owner side of fences by memory range: the fenced ranges by epoch,
 	// the peers that may plan transfers to us (they fetched our
@@ -184,11 +183,12 @@ func New(opts Options) (*Engine, error) {
 		segments: map[string]*Segment{}, live: map[*Batch]struct{}{},
 		closed: make(chan struct{}), allocs: map[uint64][]byte{},
 		reqs:    requests.New(requests.Options{MaxTombstones: opts.MaxTombstones, TombstoneTTL: opts.TombstoneTTL}),
-		pending: map[abortKey]*pendingAbort{}, tombs: map[tombKey]*tombstone{}, tombQueues: map[string][]uint64{},
-		events: make(chan Event, opts.EventQueue), efd: -1, maxTombOwners: MaxTombstoneOwners,
-		fenced: map[string]map[abortKey]struct{}{}, protoSaid: map[string]string{}, admitted: newAccessCache(),
+		pending: map[abortKey]*pendingAbort{},
+		events:  make(chan Event, opts.EventQueue), efd: -1,
+		fenceDebts: newFenceDebts(maxFenceDebts), protoSaid: newProtoSaid(), noRIDWarned: newNoRIDWarned(), admitted: newAccessCache(),
 		fences: fence.New(0), planners: map[string]time.Time{}, pendFences: map[uint64]*pendingFence{},
 	}
+	e.setMaxTombOwners(MaxTombstoneOwners)
 	e.closeCtx, e.cancel = context.WithCancel(context.Background())
 	plane, err := control.ListenWith(bindHost, opts.Port, control.Options{
 		MaxConns: opts.ControlMaxConns, MaxConnsPerHost: opts.ControlMaxConnsPerHost,

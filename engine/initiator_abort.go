@@ -3,7 +3,6 @@ package engine
 import (
 	"errors"
 	"fmt"
-	"time"
 
 	"github.com/kvferry/kvferry/engine/control"
 	"github.com/kvferry/kvferry/engine/transport"
@@ -39,7 +38,7 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 	}
 	k := tombKey{owner, m.RequestID}
 	e.abortMu.Lock()
-	tb := e.tombs[k]
+	tb := e.tombOf(k)
 	if tb != nil && tb.minGen >= m.Generation {
 		// A duplicate (or an older ABORT): answer it once drained.
 		var ack control.AbortAck
@@ -102,13 +101,15 @@ func (e *Engine) beginAbortLocked(k tombKey, gen uint32, ackTo string) (tasks []
 			return nil, false, false
 		}
 	}
-	tb := e.tombs[k]
+	tb := e.tombOf(k)
 	if tb == nil {
 		if tb = e.newTomb(k, len(segs) > 0); tb == nil {
 			return nil, false, false
 		}
+	} else {
+		e.renewTomb(k, tb)
 	}
-	tb.minGen, tb.at, tb.drained, tb.owed, tb.ackTo = gen, time.Now(), false, ackTo != "", ackTo
+	tb.minGen, tb.drained, tb.owed, tb.ackTo = gen, false, ackTo != "", ackTo
 	if quick {
 		tb.drained, tb.outcome, tb.landed, tb.owed = true, control.AckDrained, 0, false
 		return nil, true, true
@@ -132,7 +133,7 @@ func (e *Engine) learnAbort(owner string, rid uint64, refusedGen uint32) {
 	k := tombKey{owner, rid}
 	gen := refusedGen + 1
 	e.abortMu.Lock()
-	if tb := e.tombs[k]; tb != nil && tb.minGen >= gen {
+	if tb := e.tombOf(k); tb != nil && tb.minGen >= gen {
 		e.abortMu.Unlock()
 		return
 	}

@@ -95,7 +95,7 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 		landed += t.transferred.Load()
 	}
 	e.abortMu.Lock()
-	tb := e.tombs[k]
+	tb := e.tombOf(k)
 	owed, to := false, k.owner
 	if tb != nil && tb.minGen == gen {
 		tb.drained, tb.outcome, tb.landed = true, outcome, landed

@@ -57,7 +57,7 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	stampFences(tasks, stamps)
 	ownFenced := e.ownMemoryFenced(tasks, ours)
 	if anyRID {
-		if len(e.tombs) > 0 {
+		if e.tombOwners.Len() > 0 {
 			for _, t := range tasks {
 				if t.req.RequestID != 0 && e.segAbortedLocked(t.req.Segment, t.req.RequestID, t.req.Generation) {
 					t.final.Store(int32(Aborted))

@@ -1,10 +1,10 @@
 package engine
 
 import (
-	"slices"
 	"time"
 
 	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/internal/bounded"
 )
 
 // tombKey names a request id aborted by one owner.
@@ -17,7 +17,6 @@ type tombKey struct {
 // transfer of it to that owner below minGen ends ABORTED.
 type tombstone struct {
 	minGen  uint32
-	at      time.Time
 	drained bool // the drain for minGen finished; outcome and landed are set
 	outcome control.AckOutcome
 	landed  uint64
@@ -41,6 +40,63 @@ const MaxTombstoneOwners = 1024
 // opened later, and made-up owners must not each hold MaxTombstones.
 const unknownOwnerTombstones = 64
 
+// ownerTombs is one owner's tombstones by request id, oldest abort first.
+type ownerTombs = bounded.Set[uint64, *tombstone]
+
+// newOwnerTombs returns an empty tombstone set for one owner: at most
+// MaxTombstones (newTomb lowers that for an owner no open segment is known
+// as), each forgotten past TombstoneTTL, and never one that is not settled
+// (see tombstone.settled).
+func (e *Engine) newOwnerTombs() *ownerTombs {
+	return bounded.New(bounded.Options[uint64, *tombstone]{
+		Cap: e.opts.MaxTombstones, TTL: e.opts.TombstoneTTL,
+		Policy: func(_ uint64, tb *tombstone, _ bounded.Reason) bounded.Verdict {
+			if tb.settled() {
+				return bounded.Evict
+			}
+			return bounded.Keep
+		},
+	})
+}
+
+// setMaxTombOwners makes the set of owners holding tombstones, capped at n
+// owners (MaxTombstoneOwners; tests lower it), keeping those it holds.
+// Past the cap, making room forgets owners whose every tombstone is
+// settled, down to 7/8 of n (see forgetOwnersLocked). Called with abortMu
+// held, or before the engine runs.
+func (e *Engine) setMaxTombOwners(n int) {
+	old := e.tombOwners
+	e.maxTombOwners = n
+	e.tombOwners = bounded.New(bounded.Options[string, *ownerTombs]{
+		Cap: n, Trim: n * 7 / 8,
+		Policy: func(_ string, q *ownerTombs, _ bounded.Reason) bounded.Verdict {
+			for _, tb := range q.All() {
+				if !tb.settled() {
+					return bounded.Keep
+				}
+			}
+			e.stats.tombOwnersForgotten.Add(1)
+			return bounded.Evict
+		},
+	})
+	if old != nil {
+		for owner, q := range old.All() {
+			e.tombOwners.Push(owner, q)
+		}
+	}
+}
+
+// tombOf returns k's tombstone, nil when there is none. Called with
+// abortMu held (shared will do).
+func (e *Engine) tombOf(k tombKey) *tombstone {
+	q, ok := e.tombOwners.Get(k.owner)
+	if !ok {
+		return nil
+	}
+	tb, _ := q.Get(k.rid)
+	return tb
+}
+
 // newTomb adds an initiator tombstone, first forgetting the oldest of the
 // same owner past its cap (MaxTombstones, unknownOwnerTombstones for an
 // owner that no open segment is known as: a cap per owner, so that one
@@ -52,31 +108,36 @@ const unknownOwnerTombstones = 64
 // cap only briefly. It returns nil when the owner is new and no other may
 // go to make room for it (MaxTombstoneOwners). Called with abortMu held.
 func (e *Engine) newTomb(k tombKey, known bool) *tombstone {
-	q, seen := e.tombQueues[k.owner]
-	if !seen && len(e.tombQueues) >= e.maxTombOwners {
-		e.forgetOwnersLocked()
-		if len(e.tombQueues) >= e.maxTombOwners {
+	q, seen := e.tombOwners.Get(k.owner)
+	if !seen {
+		if e.tombOwners.Len() >= e.maxTombOwners {
+			e.forgetOwnersLocked()
+		}
+		q = e.newOwnerTombs()
+		if !e.tombOwners.Put(k.owner, q) {
 			return nil
 		}
+	} else {
+		e.tombOwners.Put(k.owner, q) // the owner aborted last: forgotten last
 	}
 	limit := e.opts.MaxTombstones
 	if !known {
 		limit = min(limit, unknownOwnerTombstones)
 	}
-	for len(q) >= limit {
-		i := slices.IndexFunc(q, func(rid uint64) bool {
-			return e.tombs[tombKey{k.owner, rid}].settled()
-		})
-		if i < 0 {
-			break
-		}
-		delete(e.tombs, tombKey{k.owner, q[i]})
-		q = slices.Delete(q, i, i+1)
-	}
+	q.Trim(limit-1, nil)
 	tb := &tombstone{}
-	e.tombs[k] = tb
-	e.tombQueues[k.owner] = append(q, k.rid)
+	q.Push(k.rid, tb) // over its cap only while the older ones are unsettled
 	return tb
+}
+
+// renewTomb records that k's owner aborted its request again, at a higher
+// generation: its tombstone, and the owner, are the youngest again.
+// Called with abortMu held.
+func (e *Engine) renewTomb(k tombKey, tb *tombstone) {
+	if q, ok := e.tombOwners.Get(k.owner); ok {
+		q.Put(k.rid, tb)
+		e.tombOwners.Put(k.owner, q)
+	}
 }
 
 // newTombLocked adds an initiator tombstone (see newTomb), k's owner known
@@ -105,68 +166,30 @@ func (e *Engine) forgetOwnersLocked() {
 	e.segMu.Unlock()
 	target := e.maxTombOwners * 7 / 8
 	for _, pass := range []bool{false, true} {
-		type cand struct {
-			owner string
-			last  time.Time
-		}
-		var cands []cand
-		for owner, q := range e.tombQueues {
-			if known[owner] != pass {
-				continue
-			}
-			var last time.Time
-			ok := true
-			for _, rid := range q {
-				tb := e.tombs[tombKey{owner, rid}]
-				if !tb.settled() {
-					ok = false
-					break
-				}
-				if tb != nil && tb.at.After(last) {
-					last = tb.at
-				}
-			}
-			if ok {
-				cands = append(cands, cand{owner, last})
-			}
-		}
-		slices.SortFunc(cands, func(a, b cand) int { return a.last.Compare(b.last) })
-		for _, c := range cands {
-			if len(e.tombQueues) <= target {
-				return
-			}
-			for _, rid := range e.tombQueues[c.owner] {
-				delete(e.tombs, tombKey{c.owner, rid})
-			}
-			delete(e.tombQueues, c.owner)
-			e.stats.tombOwnersForgotten.Add(1)
-		}
+		e.tombOwners.Trim(target, func(owner string, _ *ownerTombs) bool { return known[owner] == pass })
 	}
 }
 
 // sweepTombs forgets initiator tombstones older than TombstoneTTL whose
-// drain finished and whose ACK is not owed.
+// drain finished and whose ACK is not owed, and the owners left with none.
 func (e *Engine) sweepTombs(now time.Time) {
 	e.abortMu.Lock()
 	defer e.abortMu.Unlock()
-	for owner, q := range e.tombQueues {
-		i := 0
-		for ; i < len(q); i++ {
-			tb := e.tombs[tombKey{owner, q[i]}]
-			if tb == nil {
-				continue
-			}
-			if now.Sub(tb.at) < e.opts.TombstoneTTL || !tb.drained || tb.owed {
-				break
-			}
-			delete(e.tombs, tombKey{owner, q[i]})
-		}
-		if i == len(q) {
-			delete(e.tombQueues, owner)
-		} else if i > 0 {
-			e.tombQueues[owner] = slices.Clone(q[i:])
+	for owner, q := range e.tombOwners.All() {
+		q.Expire(now)
+		if q.Len() == 0 {
+			e.tombOwners.Remove(owner)
 		}
 	}
+}
+
+// tombCounts returns the initiator tombstones held and the owners they
+// are of. Called with abortMu held (shared will do).
+func (e *Engine) tombCounts() (tombs, owners int) {
+	for _, q := range e.tombOwners.All() {
+		tombs += q.Len()
+	}
+	return tombs, e.tombOwners.Len()
 }
 
 // segAbortedLocked reports whether a transfer of rid at gen to seg was
@@ -183,6 +206,6 @@ func (e *Engine) segAbortedLocked(seg *Segment, rid uint64, gen uint32) bool {
 // abortedLocked reports whether a transfer of rid at gen to owner was aborted.
 // Called with abortMu held (shared).
 func (e *Engine) abortedLocked(owner string, rid uint64, gen uint32) bool {
-	tb := e.tombs[tombKey{owner, rid}]
+	tb := e.tombOf(tombKey{owner, rid})
 	return tb != nil && gen < tb.minGen
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/internal/bounded"
 	"github.com/kvferry/kvferry/engine/transport"
 )
 
@@ -245,18 +246,22 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 // the set starts afresh (a warning may then repeat, never go missing).
 const maxNoRIDWarned = 4096
 
+// newNoRIDWarned returns the empty set of initiators warned about: at its
+// cap it keeps only the newest (Trim 1), as nothing safety-relevant rests
+// on it.
+func newNoRIDWarned() *bounded.Set[string, struct{}] {
+	return bounded.New(bounded.Options[string, struct{}]{Cap: maxNoRIDWarned, Trim: 1})
+}
+
 // firstNoRIDWarning reports whether Abort has not yet warned that name
 // writes without request ids, and remembers that it now has.
 func (e *Engine) firstNoRIDWarning(name string) bool {
 	e.noRIDMu.Lock()
 	defer e.noRIDMu.Unlock()
-	if e.noRIDWarned[name] {
+	if e.noRIDWarned.Has(name) {
 		return false
 	}
-	if len(e.noRIDWarned) >= maxNoRIDWarned || e.noRIDWarned == nil {
-		e.noRIDWarned = map[string]bool{}
-	}
-	e.noRIDWarned[name] = true
+	e.noRIDWarned.Put(name, struct{}{})
 	return true
 }
 

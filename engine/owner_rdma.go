@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/internal/bounded"
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/engine/transport/rdma"
 )
@@ -39,10 +40,14 @@ func (e *Engine) handleTransport(from string, body []byte) (control.MsgType, []b
 // an abort whose fence cut its old ones, and sends those ABORTs again: an
 // ACK lost after the abort's deadline must not lock it out for good.
 func (e *Engine) admitInitiator(initiator string) error {
+	var pend []abortKey
 	e.fenceMu.Lock()
-	pend := make([]abortKey, 0, len(e.fenced[initiator]))
-	for k := range e.fenced[initiator] {
-		pend = append(pend, k)
+	if e.fenceDebts.Len() > 0 {
+		for d := range e.fenceDebts.All() {
+			if d.initiator == initiator {
+				pend = append(pend, d.abort)
+			}
+		}
 	}
 	e.fenceMu.Unlock()
 	if len(pend) == 0 {
@@ -60,37 +65,42 @@ func (e *Engine) admitInitiator(initiator string) error {
 // Safe instead of fencing.
 const maxFenceDebts = 1 << 20
 
+// fenceDebt is an abort whose rdma fence cut initiator's QPs, and which
+// initiator has not acknowledged yet.
+type fenceDebt struct {
+	initiator string
+	abort     abortKey
+}
+
+// newFenceDebts returns an empty set of fence debts holding at most n. No
+// debt is ever evicted: only the initiator's ACK settles it (ackedFence),
+// and a full set refuses new ones (noteFence).
+func newFenceDebts(n int) *bounded.Set[fenceDebt, struct{}] {
+	return bounded.New(bounded.Options[fenceDebt, struct{}]{
+		Cap:    n,
+		Policy: func(fenceDebt, struct{}, bounded.Reason) bounded.Verdict { return bounded.Keep },
+	})
+}
+
 // noteFence records, before the fence, that initiator owes an ACK for k.
 func (e *Engine) noteFence(initiator string, k abortKey) error {
 	e.fenceMu.Lock()
 	defer e.fenceMu.Unlock()
-	m := e.fenced[initiator]
-	if _, ok := m[k]; ok {
+	d := fenceDebt{initiator, k}
+	if e.fenceDebts.Has(d) {
 		return nil
 	}
-	if e.nfenced >= maxFenceDebts {
-		return fmt.Errorf("%d rdma fences await their initiators' ACKs (at most %d): %w", e.nfenced, maxFenceDebts, ErrBusy)
+	// Checked first: a Put into a full set would walk every debt, all
+	// kept, before refusing.
+	if n := e.fenceDebts.Len(); n >= maxFenceDebts || !e.fenceDebts.Put(d, struct{}{}) {
+		return fmt.Errorf("%d rdma fences await their initiators' ACKs (at most %d): %w", n, maxFenceDebts, ErrBusy)
 	}
-	if m == nil {
-		m = map[abortKey]struct{}{}
-		e.fenced[initiator] = m
-	}
-	m[k] = struct{}{}
-	e.nfenced++
 	return nil
 }
 
 // ackedFence clears initiator's debt for k.
 func (e *Engine) ackedFence(initiator string, k abortKey) {
 	e.fenceMu.Lock()
-	if m := e.fenced[initiator]; m != nil {
-		if _, ok := m[k]; ok {
-			delete(m, k)
-			e.nfenced--
-		}
-		if len(m) == 0 {
-			delete(e.fenced, initiator)
-		}
-	}
+	e.fenceDebts.Remove(fenceDebt{initiator, k})
 	e.fenceMu.Unlock()
 }

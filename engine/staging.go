@@ -107,12 +107,11 @@ func gpuOrdinal(loc string) int {
 	return n
 }
 
-// getStage returns a staging buffer of at least n bytes, page-locked
-// (pinned) through dev's context when the driver allows.
 // stageSize is the size of the staging buffer an access of n bytes takes:
 // its size class.
 func stageSize(n int) int { return 1 << stageClass(n) }
 
+// stageClass is the size class (log2 of the buffer size) for n bytes.
 func stageClass(n int) int {
 	cls := stageMinClass
 	for 1<<cls < n {
@@ -121,6 +120,8 @@ func stageClass(n int) int {
 	return cls
 }
 
+// getStage returns a staging buffer of at least n bytes, page-locked
+// (pinned) through dev's context when the driver allows.
 func (e *Engine) getStage(dev, n int) (*stageBuf, error) {
 	cls := stageClass(n)
 	e.gpu.poolMu.Lock()

@@ -113,7 +113,7 @@ func (e *Engine) Stats() Stats {
 	e.segMu.Unlock()
 	rs := e.reqs.Stats()
 	e.abortMu.RLock()
-	ntomb, nowners := len(e.tombs), len(e.tombQueues)
+	ntomb, nowners := e.tombCounts()
 	e.abortMu.RUnlock()
 	var rs2 rdma.Stats
 	nics := 0
@@ -121,7 +121,7 @@ func (e *Engine) Stats() Stats {
 		rs2, nics = e.rdma.Stats(), len(e.rdma.NICs())
 	}
 	e.fenceMu.Lock()
-	nfenced := e.nfenced
+	nfenced := e.fenceDebts.Len()
 	e.fenceMu.Unlock()
 	return Stats{
 		RDMANICs: nics, RDMAWorkRequests: rs2.Posted, RDMAErrorWCs: rs2.ErrorCompletions,

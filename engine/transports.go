@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/internal/bounded"
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/engine/transport/rdma"
 )
@@ -142,6 +143,17 @@ func truncate(s string, n int) string {
 	return s
 }
 
+// maxProtoSaid bounds the peers whose chosen transport is remembered as
+// logged; past it the set starts afresh (a choice may be logged again).
+const maxProtoSaid = 1 << 16
+
+// newProtoSaid returns the empty set of peers whose transport choice was
+// logged, each with the transport: at its cap it keeps only the newest
+// (Trim 1), as nothing safety-relevant rests on it.
+func newProtoSaid() *bounded.Set[string, string] {
+	return bounded.New(bounded.Options[string, string]{Cap: maxProtoSaid, Trim: 1})
+}
+
 // chooseTransport picks the transport to a peer from its descriptor, and
 // logs the choice once per peer.
 func (e *Engine) chooseTransport(peer string, d *control.Descriptor) (string, error) {
@@ -165,9 +177,9 @@ func (e *Engine) chooseTransport(peer string, d *control.Descriptor) (string, er
 		}
 	}
 	e.protoMu.Lock()
-	said := e.protoSaid[peer]
-	if said != proto && len(e.protoSaid) < 1<<16 {
-		e.protoSaid[peer] = proto
+	said, _ := e.protoSaid.Get(peer)
+	if said != proto {
+		e.protoSaid.Put(peer, proto)
 	}
 	e.protoMu.Unlock()
 	if said != proto {
