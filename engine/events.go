@@ -26,14 +26,12 @@ const (
 	EventCanceled EventKind = 3
 )
 
+var eventKindNames = [...]string{EventAborted: "ABORTED", EventNotify: "NOTIFY", EventCanceled: "CANCELED"}
+
+// String returns the kind's name in capitals (ABORTED, NOTIFY, CANCELED).
 func (k EventKind) String() string {
-	switch k {
-	case EventAborted:
-		return "ABORTED"
-	case EventNotify:
-		return "NOTIFY"
-	case EventCanceled:
-		return "CANCELED"
+	if k > 0 && int(k) < len(eventKindNames) {
+		return eventKindNames[k]
 	}
 	return fmt.Sprintf("EventKind(%d)", int(k))
 }

@@ -22,22 +22,15 @@ const (
 	Aborted   TaskStatus = 6 // the owner aborted its request id
 )
 
+var taskStatusNames = [...]string{
+	Waiting: "WAITING", Pending: "PENDING", Completed: "COMPLETED", Failed: "FAILED",
+	Timeout: "TIMEOUT", Canceled: "CANCELED", Aborted: "ABORTED",
+}
+
+// String returns the status's name in capitals (COMPLETED, ABORTED...).
 func (s TaskStatus) String() string {
-	switch s {
-	case Waiting:
-		return "WAITING"
-	case Pending:
-		return "PENDING"
-	case Completed:
-		return "COMPLETED"
-	case Failed:
-		return "FAILED"
-	case Timeout:
-		return "TIMEOUT"
-	case Canceled:
-		return "CANCELED"
-	case Aborted:
-		return "ABORTED"
+	if s >= 0 && int(s) < len(taskStatusNames) {
+		return taskStatusNames[s]
 	}
 	return fmt.Sprintf("TaskStatus(%d)", int32(s))
 }

@@ -3,9 +3,11 @@ package engine
 import (
 	"context"
 	"fmt"
+	"maps"
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvferry/kvferry/engine/control"
@@ -60,6 +62,14 @@ type pendingAbort struct {
 	done        chan struct{}   // closed when wait is empty
 	drained     map[string]bool // initiators whose ACK promised a drain
 	kick        chan struct{}   // signaled on each drained ACK
+}
+
+// awaited returns the peers in wait, those yet to acknowledge an ABORT or
+// a FENCE, read under mu.
+func awaited(mu *sync.Mutex, wait map[string]bool) []string {
+	mu.Lock()
+	defer mu.Unlock()
+	return slices.Collect(maps.Keys(wait))
 }
 
 type abortKey struct {
@@ -217,12 +227,7 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 			select {
 			case <-pa.done:
 			case <-ctx.Done():
-				pa.mu.Lock()
-				missing := make([]string, 0, len(pa.wait))
-				for n := range pa.wait {
-					missing = append(missing, n)
-				}
-				pa.mu.Unlock()
+				missing := awaited(&pa.mu, pa.wait)
 				reason = fmt.Errorf("no drained ABORT_ACK from %v by the deadline: %w", missing, ErrTimeout)
 			}
 		}
@@ -232,14 +237,23 @@ func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []strin
 	res.BytesConfirmed = pa.landed
 	pa.mu.Unlock()
 	if reason != nil {
-		res.Reason = fmt.Errorf("abort request %d: not safe: %w", requestID, reason)
-		e.stats.abortsNotSafe.Add(1)
-		e.log.Warn("kvferry: abort not safe", "request", requestID, "err", res.Reason)
-		return res, nil
+		reason = fmt.Errorf("abort request %d: not safe: %w", requestID, reason)
 	}
-	res.Safe = true
-	e.stats.abortsSafe.Add(1)
+	res.Reason = e.countSafe(&e.stats.abortsSafe, &e.stats.abortsNotSafe, "abort", reason, "request", requestID)
+	res.Safe = res.Reason == nil
 	return res, nil
+}
+
+// countSafe counts an Abort's or a Fence's outcome, Safe when reason is
+// nil, and logs why it is not; it returns reason.
+func (e *Engine) countSafe(safe, notSafe *atomic.Uint64, what string, reason error, args ...any) error {
+	if reason == nil {
+		safe.Add(1)
+		return nil
+	}
+	notSafe.Add(1)
+	e.log.Warn("kvferry: "+what+" not safe", append(args, "err", reason)...)
+	return reason
 }
 
 // maxNoRIDWarned bounds the initiators remembered as warned about; past it
@@ -335,13 +349,7 @@ func (e *Engine) resendAbort(pa *pendingAbort, msg []byte, deadline time.Time) {
 		if !time.Now().Before(deadline) {
 			return
 		}
-		pa.mu.Lock()
-		names := make([]string, 0, len(pa.wait))
-		for n := range pa.wait {
-			names = append(names, n)
-		}
-		pa.mu.Unlock()
-		for _, n := range names {
+		for _, n := range awaited(&pa.mu, pa.wait) {
 			_ = e.plane.Send(n, control.MsgAbort, msg)
 			e.stats.abortResends.Add(1)
 		}

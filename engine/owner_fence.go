@@ -207,13 +207,7 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 			case <-ctx.Done():
 				break wait
 			case <-resend.C:
-				pf.mu.Lock()
-				left := make([]string, 0, len(pf.wait))
-				for n := range pf.wait {
-					left = append(left, n)
-				}
-				pf.mu.Unlock()
-				for _, n := range left {
+				for _, n := range awaited(&pf.mu, pf.wait) {
 					_ = e.plane.SendIfConnected(n, control.MsgFence, msg)
 				}
 				interval = min(2*interval, abortResendMax)
@@ -227,13 +221,10 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 	res.Acked = append([]string(nil), pf.acked...)
 	pf.mu.Unlock()
 	if reason != nil {
-		res.Reason = fmt.Errorf("fence of %d ranges: not safe: %w", len(ranges), reason)
-		e.stats.fencesNotSafe.Add(1)
-		e.log.Warn("kvferry: fence not safe", "epoch", ep, "err", res.Reason)
-		return res, nil
+		reason = fmt.Errorf("fence of %d ranges: not safe: %w", len(ranges), reason)
 	}
-	res.Safe = true
-	e.stats.fencesSafe.Add(1)
+	res.Reason = e.countSafe(&e.stats.fencesSafe, &e.stats.fencesNotSafe, "fence", reason, "epoch", ep)
+	res.Safe = res.Reason == nil
 	return res, nil
 }
 
