@@ -130,7 +130,7 @@ func TestBadHandlesAreExplained(t *testing.T) {
 		}
 	}
 	handles.Delete(id)
-	if _, err := lookupEngine(id); err == nil || !strings.Contains(err.Error(), "stale") {
+	if _, err := lookup[*engineH](id); err == nil || !strings.Contains(err.Error(), "stale") {
 		t.Errorf("deleted handle: %v, want stale", err)
 	}
 }

@@ -69,68 +69,51 @@ const (
 // errHandle marks errors about handles.
 var errHandle = errors.New("invalid handle")
 
-// codeOf maps an error to its status code. The most specific cause wins: a
-// task that failed because the owner refused a stale key reports
+// causes maps errors to status codes, the most specific cause first: a task
+// that failed because the owner refused a stale key reports
 // KVF_ERR_STALE_KEY, and one the owner's fence refused KVF_ERR_FENCED, not
 // KVF_ERR_REFUSED or KVF_ERR_TRANSFER_FAILED.
+var causes = []struct {
+	code C.int
+	errs []error
+}{
+	{errHandleCode, []error{errHandle, engine.ErrBatchFreed}},
+	{errInUse, []error{engine.ErrMemoryInUse}},
+	{errClosed, []error{engine.ErrClosed, transport.ErrClosed, control.ErrClosed}},
+	{errUnreachable, []error{engine.ErrUnreachable, engine.ErrPeerDead}},
+	{errTimeout, []error{engine.ErrTimeout, context.DeadlineExceeded}},
+	{errCanceled, []error{engine.ErrCanceled, transport.ErrCanceled, context.Canceled}},
+	{errStaleKey, []error{engine.ErrStaleKey}},
+	{errOverlap, []error{engine.ErrOverlap}},
+	{errRemoteRange, []error{engine.ErrRemoteRange}},
+	{errNotRegistered, []error{engine.ErrNotRegistered, memory.ErrUnregistered}},
+	{errAborted, []error{engine.ErrAborted}},
+	{errFenced, []error{engine.ErrFenced}},
+	{errRefused, []error{engine.ErrRefused}},
+	{errRemoteRange, []error{engine.ErrOutOfBounds}},
+	{errBatchFull, []error{engine.ErrBatchFull}},
+	{errBusy, []error{engine.ErrBatchBusy, engine.ErrBusy}},
+	{errUnsupported, []error{engine.ErrUnsupported}},
+	{errProtocol, []error{control.ErrMalformed, transport.ErrProtocol}},
+	{errConnection, []error{engine.ErrConnection}},
+	{errUnreachable, []error{engine.ErrSegmentUnknown}},
+	{errInvalid, []error{engine.ErrInvalidArg, memory.ErrInvalidRange}},
+	{errNoMemory, []error{syscall.ENOMEM}},
+	{errTransferFailed, []error{engine.ErrTransferFailed, control.ErrRemote}},
+}
+
+// codeOf maps an error to its status code: KVF_OK for nil, the code of the
+// first row of causes with an error that err wraps, else KVF_ERR_INTERNAL.
 func codeOf(err error) C.int {
-	is := func(targets ...error) bool {
-		for _, t := range targets {
-			if errors.Is(err, t) {
-				return true
+	if err == nil {
+		return statusOK
+	}
+	for _, c := range causes {
+		for _, target := range c.errs {
+			if errors.Is(err, target) {
+				return c.code
 			}
 		}
-		return false
-	}
-	switch {
-	case err == nil:
-		return statusOK
-	case is(errHandle, engine.ErrBatchFreed):
-		return errHandleCode
-	case is(engine.ErrMemoryInUse):
-		return errInUse
-	case is(engine.ErrClosed, transport.ErrClosed, control.ErrClosed):
-		return errClosed
-	case is(engine.ErrUnreachable, engine.ErrPeerDead):
-		return errUnreachable
-	case is(engine.ErrTimeout, context.DeadlineExceeded):
-		return errTimeout
-	case is(engine.ErrCanceled, transport.ErrCanceled, context.Canceled):
-		return errCanceled
-	case is(engine.ErrStaleKey):
-		return errStaleKey
-	case is(engine.ErrOverlap):
-		return errOverlap
-	case is(engine.ErrRemoteRange):
-		return errRemoteRange
-	case is(engine.ErrNotRegistered, memory.ErrUnregistered):
-		return errNotRegistered
-	case is(engine.ErrAborted):
-		return errAborted
-	case is(engine.ErrFenced):
-		return errFenced
-	case is(engine.ErrRefused):
-		return errRefused
-	case is(engine.ErrOutOfBounds):
-		return errRemoteRange
-	case is(engine.ErrBatchFull):
-		return errBatchFull
-	case is(engine.ErrBatchBusy, engine.ErrBusy):
-		return errBusy
-	case is(engine.ErrUnsupported):
-		return errUnsupported
-	case is(control.ErrMalformed, transport.ErrProtocol):
-		return errProtocol
-	case is(engine.ErrConnection):
-		return errConnection
-	case is(engine.ErrSegmentUnknown):
-		return errUnreachable
-	case is(engine.ErrInvalidArg, memory.ErrInvalidRange):
-		return errInvalid
-	case is(syscall.ENOMEM):
-		return errNoMemory
-	case is(engine.ErrTransferFailed, control.ErrRemote):
-		return errTransferFailed
 	}
 	return errInternal
 }
@@ -166,6 +149,14 @@ func fail(fn string, err error) C.int {
 	return codeOf(err)
 }
 
+// result is KVF_OK for a nil err, and fail(fn, err) otherwise.
+func result(fn string, err error) C.int {
+	if err != nil {
+		return fail(fn, err)
+	}
+	return statusOK
+}
+
 // failf records "fn: message" and returns code.
 func failf(fn string, code C.int, format string, args ...any) C.int {
 	setError(fn + ": " + fmt.Sprintf(format, args...))
@@ -173,7 +164,7 @@ func failf(fn string, code C.int, format string, args ...any) C.int {
 }
 
 // guard turns a panic in an exported call into KVF_ERR_INTERNAL; every
-// export defers it.
+// export defers it (withHandle does, for those on a handle).
 func guard(fn string, st *C.int) {
 	if r := recover(); r != nil {
 		*st = errInternal
@@ -248,31 +239,35 @@ func whyBad(h uintptr, want kind) error {
 	return fmt.Errorf("%w: %s handle %#x is stale (already destroyed, closed or freed)", errHandle, want, h)
 }
 
-func lookupEngine(h uintptr) (*engineH, error) {
-	if v, ok := handles.Load(h); ok {
-		if e, ok := v.(*engineH); ok {
-			return e, nil
-		}
-	}
-	return nil, whyBad(h, kindEngine)
+// handle is a Go value a C handle stands for; kind says which table entries
+// are of its type.
+type handle interface {
+	*engineH | *segmentH | *batchH
+	kind() kind
 }
 
-func lookupSegment(h uintptr) (*segmentH, error) {
+// lookup returns the live handle h of type T, or an error (wrapping
+// errHandle) that says why h is not one.
+func lookup[T handle](h uintptr) (T, error) {
 	if v, ok := handles.Load(h); ok {
-		if s, ok := v.(*segmentH); ok {
-			return s, nil
+		if t, ok := v.(T); ok {
+			return t, nil
 		}
 	}
-	return nil, whyBad(h, kindSegment)
+	var none T
+	return none, whyBad(h, none.kind())
 }
 
-func lookupBatch(h uintptr) (*batchH, error) {
-	if v, ok := handles.Load(h); ok {
-		if b, ok := v.(*batchH); ok {
-			return b, nil
-		}
+// withHandle runs an export's body on the live handle h of type T, under
+// guard: fn names the C function in the caller's last error. A bad handle
+// fails with KVF_ERR_HANDLE and whyBad's message, and the body does not run.
+func withHandle[T handle](fn string, h C.uintptr_t, body func(fn string, t T) C.int) (st C.int) {
+	defer guard(fn, &st)
+	t, err := lookup[T](uintptr(h))
+	if err != nil {
+		return fail(fn, err)
 	}
-	return nil, whyBad(h, kindBatch)
+	return body(fn, t)
 }
 
 // engineH is an engine and what the C API tracks for it.
@@ -311,15 +306,21 @@ func (eh *engineH) disown(id uintptr) {
 	eh.mu.Unlock()
 }
 
+// segmentH is an open segment handle; several may share one segment.
 type segmentH struct {
 	eh *engineH
 	s  *engine.Segment
 }
 
+// batchH is a batch handle.
 type batchH struct {
 	eh *engineH
 	b  *engine.Batch
 }
+
+func (*engineH) kind() kind  { return kindEngine }
+func (*segmentH) kind() kind { return kindSegment }
+func (*batchH) kind() kind   { return kindBatch }
 
 // timeoutCtx returns a context with the call's deadline: ms > 0, or the
 // engine's default for KVF_TIMEOUT_DEFAULT (the engine applies it itself when
@@ -332,6 +333,70 @@ func timeoutCtx(ms C.int) (context.Context, context.CancelFunc) {
 		return nil, nil
 	}
 	return context.WithTimeout(context.Background(), time.Duration(ms)*time.Millisecond)
+}
+
+// bounded reports whether ms bounds a call that must end by a deadline: > 0,
+// or KVF_TIMEOUT_DEFAULT for the engine's default.
+func bounded(ms C.int) bool { return ms > 0 || ms == defaultTimeoutMillis }
+
+// badTimeout fails a call whose timeout is not bounded.
+func badTimeout(fn string, ms C.int) C.int {
+	return failf(fn, errInvalid, "timeout %d ms: want > 0 or KVF_TIMEOUT_DEFAULT", ms)
+}
+
+// boundedCtx is the context of a call that must end by a deadline: ms > 0,
+// or the engine's default def for KVF_TIMEOUT_DEFAULT. It reports false when
+// ms is not bounded.
+func boundedCtx(ms C.int, def time.Duration) (context.Context, context.CancelFunc, bool) {
+	if !bounded(ms) {
+		return nil, nil, false
+	}
+	d := def
+	if ms != defaultTimeoutMillis {
+		d = time.Duration(ms) * time.Millisecond
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	return ctx, cancel, true
+}
+
+// checkArray checks a *_batch call's array argument param (p, of n entries,
+// called what in messages): not NULL, not empty, not implausibly long.
+func checkArray(fn, what, param string, p unsafe.Pointer, n C.size_t) C.int {
+	switch {
+	case p == nil || n == 0:
+		return failf(fn, errInvalid, "no %s (%s %p, n %d)", what, param, p, n)
+	case n > 1<<24:
+		return failf(fn, errInvalid, "n %d is implausible", n)
+	}
+	return statusOK
+}
+
+// checkResult checks the out argument of a call that fills a result struct
+// of C type name, whose first field is uint32_t struct_size: not NULL, and
+// struct_size at least size, the struct's size in this header.
+func checkResult(fn, name string, out unsafe.Pointer, size uintptr) C.int {
+	switch {
+	case out == nil:
+		return failf(fn, errInvalid, "out is NULL")
+	case uintptr(*(*C.uint32_t)(out)) < size:
+		return failf(fn, errInvalid, "out->struct_size %d: set it to sizeof(%s)", *(*C.uint32_t)(out), name)
+	}
+	return statusOK
+}
+
+// The result structs checkResult reads start with struct_size: each
+// constant fails to compile (a negative uintptr) otherwise.
+const (
+	_ = -unsafe.Offsetof(C.kvf_abort_result{}.struct_size)
+	_ = -unsafe.Offsetof(C.kvf_fence_result{}.struct_size)
+)
+
+// cBool is a C result's 0/1 flag.
+func cBool(b bool) C.uint32_t {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // ptrAt turns an address C passed as uintptr_t into a pointer.

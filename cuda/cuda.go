@@ -9,8 +9,8 @@
 // call that needs a context makes the device's primary context current on
 // the calling thread inside the same C call. Primary contexts are retained
 // only for devices the caller named or whose memory it handed in: a device
-// nobody asked about never gets a context (Mooncake PR #2307 fixed that bug
-// there).
+// nobody asked about never gets a context (Mooncake's transfer engine once
+// created contexts on such devices, and fixed it).
 package cuda
 
 /*

@@ -152,7 +152,7 @@ func TestAbortFloodRunsABoundedDrainPool(t *testing.T) {
 	until(t, 30*time.Second, "every drain answered", func() bool {
 		init.abortMu.RLock()
 		defer init.abortMu.RUnlock()
-		for _, tb := range init.tombs {
+		for _, tb := range allTombs(init) {
 			if !tb.settled() {
 				return false
 			}
@@ -176,9 +176,9 @@ func TestAbortsFromMadeUpOwnersAreBounded(t *testing.T) {
 		abortFrom(init, "10.255.255.255:9", rid, 1)
 	}
 	init.abortMu.RLock()
-	owners, tombs := len(init.tombQueues), len(init.tombs)
-	_, kept := init.tombs[tombKey{owner.Name(), 5}]
-	unknown := len(init.tombQueues["10.255.255.255:9"])
+	tombs, owners := init.tombCounts()
+	kept := init.tombOf(tombKey{owner.Name(), 5}) != nil
+	unknown := ownerTombCount(init, "10.255.255.255:9")
 	init.abortMu.RUnlock()
 	if owners > MaxTombstoneOwners {
 		t.Errorf("ABORTs from 20,001 made-up owners left %d tombstone queues (cap %d)", owners, MaxTombstoneOwners)
@@ -203,7 +203,7 @@ func TestAbortsFromMadeUpOwnersAreBounded(t *testing.T) {
 func TestAbortFromANewOwnerIsDroppedWhenNoOwnerCanGo(t *testing.T) {
 	_, init, _, _, _ := inflightPair(t, Options{}, 0)
 	init.abortMu.Lock()
-	init.maxTombOwners = 4
+	init.setMaxTombOwners(4)
 	for i := range 4 {
 		tb := init.newTombLocked(tombKey{fmt.Sprintf("10.0.0.%d:1", i), 1})
 		tb.minGen, tb.owed = 1, true // draining
@@ -211,19 +211,19 @@ func TestAbortFromANewOwnerIsDroppedWhenNoOwnerCanGo(t *testing.T) {
 	init.abortMu.Unlock()
 	abortFrom(init, "10.0.1.1:1", 1, 1)
 	init.abortMu.RLock()
-	owners := len(init.tombQueues)
+	owners := init.tombOwners.Len()
 	init.abortMu.RUnlock()
 	if owners != 4 || init.Stats().AbortsDropped != 1 {
 		t.Fatalf("%d owners, %d ABORTs dropped; want 4 and 1", owners, init.Stats().AbortsDropped)
 	}
 	init.abortMu.Lock()
-	init.tombs[tombKey{"10.0.0.2:1", 1}].drained = true
-	init.tombs[tombKey{"10.0.0.2:1", 1}].owed = false
+	init.tombOf(tombKey{"10.0.0.2:1", 1}).drained = true
+	init.tombOf(tombKey{"10.0.0.2:1", 1}).owed = false
 	init.abortMu.Unlock()
 	abortFrom(init, "10.0.1.1:1", 1, 1) // the owner resends: now one can go
 	init.abortMu.RLock()
-	_, in := init.tombs[tombKey{"10.0.1.1:1", 1}]
-	_, gone := init.tombs[tombKey{"10.0.0.2:1", 1}]
+	in := init.tombOf(tombKey{"10.0.1.1:1", 1}) != nil
+	gone := init.tombOf(tombKey{"10.0.0.2:1", 1}) != nil
 	init.abortMu.RUnlock()
 	if !in || gone {
 		t.Fatalf("after a slot settled: new owner recorded %v, settled owner kept %v", in, gone)

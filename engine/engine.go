@@ -8,7 +8,7 @@
 // batches of one-sided READ and WRITE requests between their own registered
 // memory and the peer's. Every request carries a request id, and every
 // synchronous call has a deadline: when it returns, the engine no longer
-// touches the memory it named (see SAFETY.md in the project's shared docs).
+// touches the memory it named (see docs/SAFETY.md).
 //
 // A transfer to the engine's own name uses a local memcpy transport.
 package engine
@@ -29,6 +29,7 @@ import (
 
 	"github.com/kvferry/kvferry/engine/control"
 	"github.com/kvferry/kvferry/engine/fence"
+	"github.com/kvferry/kvferry/engine/internal/bounded"
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/requests"
 	"github.com/kvferry/kvferry/engine/transport"
@@ -58,9 +59,13 @@ type Engine struct {
 	plane *control.Plane
 	tcp   *tcp.Transport
 	local *local.Transport
-	rdma  *rdma.Transport    // nil without RDMA devices or with Protocol "tcp"
-	desc  control.Descriptor // transports part; buffers are filled per request
-	epoch atomic.Uint64
+	rdma  *rdma.Transport // nil without RDMA devices or with Protocol "tcp"
+	// transports are the abilities of tcp, local and rdma (when up), found
+	// once by abilitiesOf: every behaviour check goes through them, the
+	// concrete fields above only set the transports up, dial and count.
+	transports []abilities
+	desc       control.Descriptor // transports part; buffers are filled per request
+	epoch      atomic.Uint64
 
 	// peerLog rate-limits the warnings a peer can cause.
 	peerLog *ratelog.Limiter
@@ -95,17 +100,16 @@ type Engine struct {
 	// Abort warns about once per initiator).
 	admitted    accessCache
 	noRIDMu     sync.Mutex
-	noRIDWarned map[string]bool
+	noRIDWarned *bounded.Set[string, struct{}]
 
 	// Initiator side: tombstones of requests owners aborted. abortMu is
 	// held shared by Submit from its tombstone check until its tasks are
 	// listed in their batch and the task index, and exclusively by an
 	// ABORT's handler.
 	abortMu       sync.RWMutex
-	tombs         map[tombKey]*tombstone
-	tombQueues    map[string][]uint64 // per owner, its tombstones' request ids, oldest first
-	maxTombOwners int                 // MaxTombstoneOwners; tests lower it
-	tasks         taskIndex           // tasks in flight by request id
+	tombOwners    *bounded.Set[string, *ownerTombs] // by owner, least recently aborting first
+	maxTombOwners int                               // MaxTombstoneOwners; tests lower it (setMaxTombOwners)
+	tasks         taskIndex                         // tasks in flight by request id
 
 	// The drain pool: aborted requests' drains, run by at most
 	// maxDrainers goroutines.
@@ -116,12 +120,11 @@ type Engine struct {
 	// Owner side of the rdma fence: aborts per initiator whose QPs were
 	// fenced and that initiator has not acknowledged; it may not connect
 	// new QPs meanwhile (see rdma.Options.AdmitInitiator).
-	fenceMu sync.Mutex
-	fenced  map[string]map[abortKey]struct{}
-	nfenced int
+	fenceMu    sync.Mutex
+	fenceDebts *bounded.Set[fenceDebt, struct{}]
 
 	protoMu   sync.Mutex
-	protoSaid map[string]string // peer -> transport chosen, logged once
+	protoSaid *bounded.Set[string, string] // peer -> transport chosen, logged once
 
 	// Owner side of fences by memory range: the fenced ranges by epoch,
 	// the peers that may plan transfers to us (they fetched our
@@ -180,11 +183,12 @@ func New(opts Options) (*Engine, error) {
 		segments: map[string]*Segment{}, live: map[*Batch]struct{}{},
 		closed: make(chan struct{}), allocs: map[uint64][]byte{},
 		reqs:    requests.New(requests.Options{MaxTombstones: opts.MaxTombstones, TombstoneTTL: opts.TombstoneTTL}),
-		pending: map[abortKey]*pendingAbort{}, tombs: map[tombKey]*tombstone{}, tombQueues: map[string][]uint64{},
-		events: make(chan Event, opts.EventQueue), efd: -1, maxTombOwners: MaxTombstoneOwners,
-		fenced: map[string]map[abortKey]struct{}{}, protoSaid: map[string]string{}, admitted: newAccessCache(),
+		pending: map[abortKey]*pendingAbort{},
+		events:  make(chan Event, opts.EventQueue), efd: -1,
+		fenceDebts: newFenceDebts(maxFenceDebts), protoSaid: newProtoSaid(), noRIDWarned: newNoRIDWarned(), admitted: newAccessCache(),
 		fences: fence.New(0), planners: map[string]time.Time{}, pendFences: map[uint64]*pendingFence{},
 	}
+	e.setMaxTombOwners(MaxTombstoneOwners)
 	e.closeCtx, e.cancel = context.WithCancel(context.Background())
 	plane, err := control.ListenWith(bindHost, opts.Port, control.Options{
 		MaxConns: opts.ControlMaxConns, MaxConnsPerHost: opts.ControlMaxConnsPerHost,
@@ -220,6 +224,7 @@ func New(opts Options) (*Engine, error) {
 		_ = plane.Close()
 		return nil, fmt.Errorf("kvferry: %w", err)
 	}
+	e.findTransports()
 	e.resolver = opts.Resolver
 	if e.resolver == nil {
 		e.resolver = p2pResolver{e.plane}
@@ -337,155 +342,34 @@ func (e *Engine) checkOpen() error {
 	return nil
 }
 
-// Stats is a snapshot of an engine's counters.
-type Stats struct {
-	BytesWritten    uint64 // bytes of completed WRITE tasks we initiated
-	BytesRead       uint64 // bytes of completed READ tasks we initiated
-	TasksCompleted  uint64
-	TasksFailed     uint64 // FAILED, TIMEOUT and ABORTED tasks
-	TasksCanceled   uint64
-	TasksInFlight   int64
-	Retries         uint64 // slices posted again after a broken path
-	OwnerBytesIn    uint64 // bytes peers wrote into our memory
-	OwnerBytesOut   uint64 // bytes peers read from our memory
-	OwnerRefused    uint64 // peer accesses we refused
-	RefusedInFlight uint64 // refusals that struck mid-slice
-	ProtocolErrors  uint64 // data connections dropped for malformed frames
-	ControlDropped  uint64 // malformed control messages dropped
-	ControlLate     uint64 // control replies that matched no request
-	// Control-plane connections and buffers.
-	ControlConns        int    // control connections peers hold to us
-	ControlPeers        int    // control connections we hold to peers
-	ControlConnsRefused uint64 // control connections closed at once: ControlMaxConns(PerHost) reached
-	ControlConnsCut     uint64 // control connections closed for a protocol error or a timeout
-	ControlOverBudget   uint64 // control messages dropped unread: ControlBufferMiB spent
-	ControlSendFails    uint64 // control messages not sent (no connection for an answer, queue full)
-	Registrations       int    // registered ranges
-	OpenSegments        int
+// startBackground counts a background goroutine in, unless the engine is
+// closing; Close waits for those counted.
+func (e *Engine) startBackground() bool { return e.startIn(&e.bg) }
 
-	// TCP data connections, as owner.
-	DataConns     int64  // accepted data connections open now
-	ConnsRefused  uint64 // accepted data connections closed at once, at TCPMaxConnsPerPeer or TCPMaxConns
-	IdleClosed    uint64 // data connections closed after TCPIdleTimeout without a request
-	FrameTimeouts uint64 // data connections closed because a frame came too slowly (TCPFrameTimeout, TCPMinRate)
-	AcceptErrors  uint64 // failed accepts on the data port (out of file descriptors...); the loop backs off and goes on
-	// TCP paths, as initiator.
-	PathsIdledOut uint64 // our paths an owner closed as idle; their slices it had not read were posted again
-
-	// Aborts, as owner.
-	AbortsSafe      uint64 // Abort calls that reported Safe
-	AbortsNotSafe   uint64 // Abort calls that reported not Safe
-	AbortAcks       uint64 // ABORT_ACKs that completed an initiator's part
-	AcksUnmatched   uint64 // ABORT_ACKs dropped: late, duplicate, unknown
-	AbortResends    uint64 // ABORTs sent again for want of an ACK
-	Tombstones      int64  // aborted request ids remembered as owner
-	Grants          int    // live grants
-	RequestStates   int    // request ids with owner-side state
-	TombstonesEvict uint64 // owner tombstones forgotten (aged out or at the cap)
-	// CanceledDropped counts CANCELED messages dropped, not told as
-	// events: their sender was never admitted nor granted for the request.
-	CanceledDropped uint64
-	// Aborts, as initiator.
-	AbortsReceived      uint64 // ABORT messages received (duplicates too)
-	AbortAcksSent       uint64 // ABORT_ACKs handed to the control plane (dropped there when no connection to the owner exists)
-	TasksAborted        uint64 // tasks that ended ABORTED
-	InitiatorTombstones int    // request ids we know aborted by their owner
-	TombstoneOwners     int    // owners we hold tombstones of (at most MaxTombstoneOwners)
-	// AbortsDropped counts ABORTs dropped unanswered for want of room (the
-	// drain backlog full, or every owner slot busy draining); the owner
-	// resends them.
-	AbortsDropped uint64
-	// TombstoneOwnersForgotten counts owners whose settled tombstones were
-	// forgotten to make room for a new owner.
-	TombstoneOwnersForgotten uint64
-	// GPU staging through host memory.
-	StagingInUse int64 // staging buffers taken and not yet given back
-	// Peers' accesses to GPU memory refused because the staging they
-	// needed stayed past its bound (256 MiB) for a second.
-	StagingRefused uint64
-	Stagers        int64 // goroutines staging slices right now
-	// Events.
-	EventsDropped uint64 // events dropped because the queue was full
-	Notifications uint64 // notifications received and queued
-	// RDMA (zero without the rdma transport).
-	RDMANICs            int    // NIC ports in use
-	RDMAWorkRequests    uint64 // work requests posted
-	RDMAErrorWCs        uint64 // completions with an error status
-	RDMAFailovers       uint64 // NIC paths that failed under work and were reconnected
-	RDMAFences          uint64 // owner-side fences of an initiator's QPs
-	RDMAFencesPending   int    // aborts whose fenced initiator has not acknowledged yet
-	RDMANotifications   uint64 // notifications received in-band
-	RDMAGPUDmabuf       uint64 // GPU memory registrations through dma-buf
-	RDMAGPUPeermem      uint64 // GPU memory registrations as is (nvidia-peermem)
-	RDMAStalls          uint64 // NIC paths broken because no work request completed within RDMACompletionTimeout
-	RDMAKeyRequests     uint64 // rkey requests answered as owner (one per new request id and key on a path)
-	RDMAHolders         int    // (initiator, request id) pairs holding rkeys from us: an abort covers these initiators
-	RDMAKeyReleases     uint64 // releases taken from initiators that dropped rkeys unused for a second or more
-	RDMAResponderQPs    int    // QPs made for initiators connected to us (at most 16384)
-	RDMAConnectsRefused uint64 // initiators' connect requests refused: the responder QP cap reached
-
-	// Fences by memory range.
-	FencesSafe         uint64 // Fence calls that reported Safe
-	FencesNotSafe      uint64 // Fence calls that reported not Safe
-	FenceEpoch         uint64 // the last fence's epoch (0: none yet)
-	FenceRefused       uint64 // peer and local accesses refused as planned before a fence
-	FenceAcks          uint64 // FENCE_ACKs that answered a planner's part
-	FenceAcksUnmatched uint64 // FENCE_ACKs dropped: late, duplicate, unknown
-	FencesReceived     uint64 // FENCE notices received as initiator
-	// RDMAPostedByNIC counts work requests posted per local NIC port
-	// ("name:port"): how work stripes across NICs.
-	RDMAPostedByNIC map[string]uint64
+// startIn counts a goroutine in wg, unless the engine is closing: retryMu
+// orders it against Close, which sets closing under it before waiting on
+// wg.
+func (e *Engine) startIn(wg *sync.WaitGroup) bool {
+	e.retryMu.Lock()
+	defer e.retryMu.Unlock()
+	if e.closing.Load() {
+		return false
+	}
+	wg.Add(1)
+	return true
 }
 
-// Stats returns a snapshot of the counters.
-func (e *Engine) Stats() Stats {
-	t := e.tcp.Stats()
-	c := e.plane.Stats()
-	e.segMu.Lock()
-	nseg := len(e.segments)
-	e.segMu.Unlock()
-	rs := e.reqs.Stats()
-	e.abortMu.RLock()
-	ntomb, nowners := len(e.tombs), len(e.tombQueues)
-	e.abortMu.RUnlock()
-	var rs2 rdma.Stats
-	nics := 0
-	if e.rdma != nil {
-		rs2, nics = e.rdma.Stats(), len(e.rdma.NICs())
-	}
-	e.fenceMu.Lock()
-	nfenced := e.nfenced
-	e.fenceMu.Unlock()
-	return Stats{
-		RDMANICs: nics, RDMAWorkRequests: rs2.Posted, RDMAErrorWCs: rs2.ErrorCompletions,
-		RDMAFailovers: rs2.Failovers, RDMAFences: rs2.Fences, RDMAFencesPending: nfenced,
-		RDMANotifications: rs2.Notifies, RDMAGPUDmabuf: rs2.DmabufMRs, RDMAGPUPeermem: rs2.PeermemMRs,
-		RDMAStalls: rs2.Stalls, RDMAPostedByNIC: rs2.PostedByNIC,
-		RDMAKeyRequests: rs2.KeyRequests, RDMAHolders: rs2.Holders, RDMAKeyReleases: rs2.Releases,
-		RDMAResponderQPs: rs2.ResponderQPs, RDMAConnectsRefused: rs2.ConnectsRefused,
-		FencesSafe: e.stats.fencesSafe.Load(), FencesNotSafe: e.stats.fencesNotSafe.Load(), FenceEpoch: e.fences.Epoch(),
-		FenceRefused: e.stats.fenceRefused.Load(), FenceAcks: e.stats.fenceAcks.Load(),
-		FenceAcksUnmatched: e.stats.fenceAcksUnmatched.Load(), FencesReceived: e.stats.fencesReceived.Load(),
-		AbortsSafe: e.stats.abortsSafe.Load(), AbortsNotSafe: e.stats.abortsNotSafe.Load(),
-		AbortAcks: e.stats.abortAcks.Load(), AcksUnmatched: e.stats.acksUnmatched.Load(),
-		AbortResends: e.stats.abortResends.Load(), Tombstones: rs.Tombstones, Grants: rs.Grants,
-		RequestStates: e.reqs.Len(), TombstonesEvict: uint64(rs.Evicted),
-		AbortsReceived: e.stats.abortsReceived.Load(), AbortAcksSent: e.stats.acksSent.Load(), TasksAborted: e.stats.tasksAborted.Load(),
-		InitiatorTombstones: ntomb, TombstoneOwners: nowners, EventsDropped: e.stats.eventsDropped.Load(),
-		AbortsDropped: e.stats.abortsDropped.Load(), TombstoneOwnersForgotten: e.stats.tombOwnersForgotten.Load(),
-		Notifications: e.stats.notifications.Load(), CanceledDropped: e.stats.canceledDropped.Load(),
-		StagingInUse: e.stats.stagingInUse.Load(), StagingRefused: e.stats.ownerStageRefused.Load(), Stagers: e.stats.stagers.Load(),
-		BytesWritten: e.stats.bytesWritten.Load(), BytesRead: e.stats.bytesRead.Load(),
-		TasksCompleted: e.stats.tasksCompleted.Load(), TasksFailed: e.stats.tasksFailed.Load(),
-		TasksCanceled: e.stats.tasksCanceled.Load(), TasksInFlight: e.stats.tasksInFlight.Load(),
-		Retries: e.stats.retries.Load(), OwnerBytesIn: t.BytesIn, OwnerBytesOut: t.BytesOut,
-		OwnerRefused: t.Refused, RefusedInFlight: t.RefusedInFlight, ProtocolErrors: t.ProtocolErrors,
-		DataConns: t.Conns, ConnsRefused: t.RefusedPerPeer + t.RefusedTotal, IdleClosed: t.IdleClosed,
-		FrameTimeouts: t.FrameTimeouts, PathsIdledOut: t.GoAways, AcceptErrors: t.AcceptErrors,
-		ControlDropped: c.Malformed + e.stats.controlDropped.Load(), ControlLate: c.Unmatched, Registrations: e.reg.Len(), OpenSegments: nseg,
-		ControlConns: c.Conns, ControlPeers: c.Peers, ControlConnsRefused: c.ConnsRefused, ControlConnsCut: c.ConnsCut,
-		ControlOverBudget: c.OverBudget, ControlSendFails: c.SendFails,
-	}
+// controlMalformed counts a malformed control message from a peer and logs
+// it, rate-limited per kind and peer.
+func (e *Engine) controlMalformed(what, from string, err error) {
+	e.stats.controlDropped.Add(1)
+	e.peerWarn("malformed "+what, from, "kvferry: dropped malformed "+what, "peer", from, "err", err)
+}
+
+// peerWarn logs a warning a peer can cause, rate-limited per kind and peer
+// (see ratelog): a peer sending garbage must not fill the host's logs.
+func (e *Engine) peerWarn(kind, peer, msg string, args ...any) {
+	e.peerLog.Warn(kind+"\x00"+peer, msg, args...)
 }
 
 // heartbeats pings every open remote segment and declares dead those that

@@ -6,9 +6,8 @@ import (
 	"fmt"
 	"slices"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kvferry/kvferry/engine/control"
+	"golang.org/x/sys/unix"
 )
 
 // EventKind says what an Event reports.
@@ -27,14 +26,12 @@ const (
 	EventCanceled EventKind = 3
 )
 
+var eventKindNames = [...]string{EventAborted: "ABORTED", EventNotify: "NOTIFY", EventCanceled: "CANCELED"}
+
+// String returns the kind's name in capitals (ABORTED, NOTIFY, CANCELED).
 func (k EventKind) String() string {
-	switch k {
-	case EventAborted:
-		return "ABORTED"
-	case EventNotify:
-		return "NOTIFY"
-	case EventCanceled:
-		return "CANCELED"
+	if k > 0 && int(k) < len(eventKindNames) {
+		return eventKindNames[k]
 	}
 	return fmt.Sprintf("EventKind(%d)", int(k))
 }
@@ -303,4 +300,56 @@ func (e *Engine) tellCanceled(tasks []*task) {
 		seen[k] = true
 		_ = e.plane.Send(k.owner, control.MsgCanceled, control.AbortMsg{RequestID: k.rid, Generation: k.gen}.Encode())
 	}
+}
+
+// notified queues a notification that arrived in-band over rdma. Unlike one
+// on the control plane it cannot be refused: when the event queue is full
+// it is dropped and counted (Stats.EventsDropped).
+func (e *Engine) notified(from string, requestID uint64, data []byte) {
+	if e.emit(Event{Kind: EventNotify, Peer: from, RequestID: requestID, Data: data}) {
+		e.stats.notifications.Add(1)
+	}
+}
+
+// inbandNotifier is an endpoint that carries notifications on its own
+// queue pairs (rdma).
+type inbandNotifier interface {
+	Quiet(ctx context.Context, requestID uint64) error
+	Notify(ctx context.Context, requestID uint64, data []byte) error
+}
+
+// notifyInband sends a notification on seg's rdma paths, after every work
+// request of requestID on any of them completed; ok is false when seg has
+// no rdma path to carry it (the control plane then does).
+func (e *Engine) notifyInband(ctx context.Context, seg *Segment, requestID uint64, data []byte) (ok bool, err error) {
+	seg.mu.Lock()
+	if seg.proto != "rdma" {
+		seg.mu.Unlock()
+		return false, nil
+	}
+	var eps []inbandNotifier
+	for _, p := range seg.paths {
+		if p == nil || p.ep.Dead() {
+			continue
+		}
+		if n, ok := p.ep.(inbandNotifier); ok {
+			eps = append(eps, n)
+		}
+	}
+	seg.mu.Unlock()
+	if len(eps) == 0 {
+		return false, nil
+	}
+	for _, n := range eps {
+		if err := n.Quiet(ctx, requestID); err != nil {
+			return true, fmt.Errorf("notify %s: %w: %w", seg.name, ErrTimeout, err)
+		}
+	}
+	if err := eps[0].Notify(ctx, requestID, data); err != nil {
+		if ctx.Err() != nil {
+			return true, fmt.Errorf("notify %s: %w: %w", seg.name, ErrTimeout, err)
+		}
+		return true, fmt.Errorf("notify %s: %w: %w", seg.name, ErrConnection, err)
+	}
+	return true, nil
 }

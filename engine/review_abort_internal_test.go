@@ -69,7 +69,7 @@ func TestAbortLearnedFromRefusalStillDrainsBeforeACK(t *testing.T) {
 	}
 	for {
 		init.abortMu.RLock()
-		tb := init.tombs[tombKey{owner.Name(), rid}]
+		tb := init.tombOf(tombKey{owner.Name(), rid})
 		init.abortMu.RUnlock()
 		if tb != nil {
 			break
@@ -128,7 +128,7 @@ func TestCutDuringDrainDoesNotAbortOtherRequests(t *testing.T) {
 		t.Errorf("task of request 2, never aborted, ended ABORTED: %v", res[1].Err)
 	}
 	init.abortMu.RLock()
-	tb := init.tombs[tombKey{owner.Name(), 2}]
+	tb := init.tombOf(tombKey{owner.Name(), 2})
 	init.abortMu.RUnlock()
 	if tb != nil {
 		t.Errorf("tombstone for request 2, never aborted: %+v", tb)

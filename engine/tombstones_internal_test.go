@@ -35,7 +35,7 @@ func TestInitiatorTombstonesAreCappedPerOwnerAndKeptWhileOwed(t *testing.T) {
 		}
 	}
 	e.abortMu.Lock()
-	e.tombs[tombKey{a, 1}].drained, e.tombs[tombKey{a, 1}].owed = true, false
+	e.tombOf(tombKey{a, 1}).drained, e.tombOf(tombKey{a, 1}).owed = true, false
 	e.abortMu.Unlock()
 	add(a, 4, true, false) // now a's oldest settled one goes
 	if has(a, 1) || !has(a, 4) {

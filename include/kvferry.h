@@ -488,10 +488,10 @@ kvf_status kvf_transfer_sync(kvf_engine engine, const kvf_request *reqs, size_t 
 /* ------------------------------------------------------------------------ */
 /* Safe abort, grants, notifications and events                            */
 /* ------------------------------------------------------------------------ */
-/* The promises these functions keep are kvferry's abort contract
- * (docs/SAFETY.md in the source tree): a safe abort means no further byte of the request
- * can be written into or read from our memory, whatever the initiators do
- * next (slow, paused, crashed, partitioned, retrying).
+/* The promises these functions keep are kvferry's safety contract,
+ * docs/SAFETY.md in the source tree: a safe abort means no further byte of
+ * the request can be written into or read from our memory, whatever the
+ * initiators do next (slow, paused, crashed, partitioned, retrying).
  *
  * Generations: the owner keeps a generation per request id, 0 at first and
  * bumped by each abort; accesses below it are refused. kvf_request carries no
@@ -604,7 +604,8 @@ kvf_status kvf_event_fd(kvf_engine engine, int *fd);
  * and vLLM's Mooncake wrappers): decode fences a request's pages before it
  * frees or reuses them. A transfer is "planned before" a fence when it was
  * submitted under an earlier fence epoch, a number the owner issues (not a
- * matter of timing); a fence refuses exactly those, for the bytes it covers. */
+ * matter of timing); a fence refuses exactly those, for the bytes it covers.
+ * What a safe fence promises is written in docs/SAFETY.md. */
 
 /* Largest n of kvf_fence_memory. */
 #define KVF_FENCE_RANGES_MAX 524288

@@ -6,9 +6,12 @@
 // library's detailed message. Outcomes that are results rather than
 // failures are returned instead: a batch still in flight (Batch::wait), an
 // abort or a fence that is not safe (Engine::abort, Engine::fence), a
-// peer's full event queue (Segment::notify). Destructors never throw: a Segment, Batch or
-// Buffer that outlives its Engine finds its handle stale and does nothing
-// (kvf_engine_destroy already released it).
+// peer's full event queue (Segment::notify). Destructors never throw: a
+// Segment, Batch or Buffer that outlives its Engine finds its handle stale
+// and does nothing (kvf_engine_destroy already released it).
+//
+// What a safe abort and a safe fence promise is kvferry's safety contract,
+// docs/SAFETY.md in the source tree.
 //
 // Thread-safety is the C API's: every object may be used from any thread.
 #ifndef KVFERRY_HPP

@@ -771,27 +771,27 @@ func (q *QP) Destroy() error {
 // PostSend posts wrs in order with one cgo call and returns how many were
 // posted; on an error the first unposted one is wrs[n].
 func (q *QP) PostSend(wrs []WR) (int, error) {
-	if len(wrs) == 0 {
-		return 0, nil
-	}
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	c := q.c
-	if c == nil {
-		return 0, ErrClosed
-	}
-	var posted C.int
-	rc := C.kvfv_post_send(c, (*C.struct_kvfv_wr)(unsafe.Pointer(&wrs[0])), C.int(len(wrs)), &posted)
-	runtime.KeepAlive(wrs)
-	if rc != 0 {
-		return int(posted), fmt.Errorf("post %d work requests on qp %#x: %w", len(wrs), q.Num, syscall.Errno(rc))
-	}
-	return int(posted), nil
+	return q.post(len(wrs), "work requests", func(c unsafe.Pointer, posted *C.int) C.int {
+		rc := C.kvfv_post_send(c, (*C.struct_kvfv_wr)(unsafe.Pointer(&wrs[0])), C.int(len(wrs)), posted)
+		runtime.KeepAlive(wrs)
+		return rc
+	})
 }
 
 // PostRecv posts receive work requests with one cgo call.
 func (q *QP) PostRecv(wrs []RecvWR) (int, error) {
-	if len(wrs) == 0 {
+	return q.post(len(wrs), "receives", func(c unsafe.Pointer, posted *C.int) C.int {
+		rc := C.kvfv_post_recv(c, (*C.struct_kvfv_recv_wr)(unsafe.Pointer(&wrs[0])), C.int(len(wrs)), posted)
+		runtime.KeepAlive(wrs)
+		return rc
+	})
+}
+
+// post runs call, one cgo post of n work requests (what names them in the
+// error), under q's lock so that it cannot race Destroy; it returns how
+// many were posted.
+func (q *QP) post(n int, what string, call func(c unsafe.Pointer, posted *C.int) C.int) (int, error) {
+	if n == 0 {
 		return 0, nil
 	}
 	q.mu.Lock()
@@ -801,10 +801,8 @@ func (q *QP) PostRecv(wrs []RecvWR) (int, error) {
 		return 0, ErrClosed
 	}
 	var posted C.int
-	rc := C.kvfv_post_recv(c, (*C.struct_kvfv_recv_wr)(unsafe.Pointer(&wrs[0])), C.int(len(wrs)), &posted)
-	runtime.KeepAlive(wrs)
-	if rc != 0 {
-		return int(posted), fmt.Errorf("post %d receives on qp %#x: %w", len(wrs), q.Num, syscall.Errno(rc))
+	if rc := call(c, &posted); rc != 0 {
+		return int(posted), fmt.Errorf("post %d %s on qp %#x: %w", n, what, q.Num, syscall.Errno(rc))
 	}
 	return int(posted), nil
 }

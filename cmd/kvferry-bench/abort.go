@@ -1,8 +1,9 @@
 package main
 
 // --mode abort: abort latency (Abort called -> returned Safe) with WRITE
-// traffic in flight, the figure SAFETY.md asks for. The
-// owner (decode) is the engine whose memory the initiator (prefill) writes;
+// traffic in flight: how long an owner waits before it may reuse the memory
+// of an aborted request (docs/SAFETY.md says what a safe abort promises).
+// The owner (decode) is the engine whose memory the initiator (prefill) writes;
 // it aborts request ids that are in flight and times each call. A same-run
 // baseline, an owner -> initiator Notify round trip, sits next to it so the
 // latency can be read as a ratio: absolute figures on these machines vary by
@@ -107,40 +108,15 @@ func runTraffic(c config, e *engine.Engine, seg *engine.Segment, local, remote u
 	announce func(th int, rid uint64, starting bool)) []trafficResult {
 	results := make([]trafficResult, c.threads)
 	perThread := c.rate * 1e6 / float64(c.threads) // bytes per second
-	pieces := min(c.batchSize, c.blockSize)
 	var wg sync.WaitGroup
 	for th := 0; th < c.threads; th++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			r := &results[th]
-			base := uint64(th) * uint64(c.blockSize)
-			reqs := make([]engine.Request, pieces)
-			piece := uint64(c.blockSize / pieces)
-			for i := range reqs {
-				n := piece
-				if i == pieces-1 {
-					n = uint64(c.blockSize) - piece*uint64(pieces-1)
-				}
-				off := base + uint64(i)*piece
-				reqs[i] = engine.Request{Op: engine.Write, Local: local + off, Segment: seg, Remote: remote + off, Length: n}
-			}
-			next := time.Now()
-			for seq := uint64(1); ; seq++ {
-				now := time.Now()
-				if !now.Before(stop) {
-					return
-				}
-				d := next.Sub(now)
-				if d > 0 {
-					// Not past stop: a slow rate must not overrun the run.
-					time.Sleep(min(d, stop.Sub(now)))
-					seq--
-					continue
-				}
-				if d < -50*time.Millisecond {
-					next = now // fell behind: no burst to catch up
-				}
+			reqs := threadRequests(c, th, local, seg, remote)
+			pace := newPacer(perThread, stop)
+			for seq := uint64(1); pace.due(); seq++ {
 				rid := uint64(th+1)<<ridThreadShift | seq
 				for i := range reqs {
 					reqs[i].RequestID = rid
@@ -179,7 +155,7 @@ func runTraffic(c config, e *engine.Engine, seg *engine.Segment, local, remote u
 					r.aborted++
 					r.struck = append(r.struck, rid)
 				}
-				next = next.Add(time.Duration(float64(moved) / perThread * float64(time.Second)))
+				pace.spent(moved)
 			}
 		}()
 	}
@@ -238,6 +214,16 @@ func drainEvents(e *engine.Engine, aborted *atomic.Uint64) {
 	}
 }
 
+// verdict prints and returns the failures of an abort or fence run
+// (errAbortFail), or nil when there were none.
+func verdict(bench string, fails []error) error {
+	if err := errors.Join(fails...); err != nil {
+		fmt.Printf("FAIL: %s benchmark: %v\n", bench, err)
+		return fmt.Errorf("%w: %w", errAbortFail, err)
+	}
+	return nil
+}
+
 // runAbort is --mode abort: the owner side and the report, with the
 // initiator in this process or (--two-process) in a child. With --segment
 // it is that child instead.
@@ -245,17 +231,12 @@ func runAbort(c config) error {
 	if c.segment != "" {
 		return runAbortInitiator(c)
 	}
-	opts := c.engineOptions()
-	owner, err := engine.New(opts)
+	size := c.threads * c.blockSize
+	owner, slotBuf, err := c.newEngine(size)
 	if err != nil {
 		return err
 	}
 	defer owner.Close()
-	size := c.threads * c.blockSize
-	slotBuf, err := owner.AllocBuffer(size, "*")
-	if err != nil {
-		return err
-	}
 	slots := newSlotTable(c.threads)
 	dur := time.Duration(c.duration * float64(time.Second))
 	procs := 1
@@ -277,15 +258,11 @@ func runAbort(c config) error {
 	before := owner.Stats()
 	start := time.Now()
 	if !c.twoProcess {
-		prefill, err := engine.New(opts)
+		prefill, src, err := c.newEngine(size)
 		if err != nil {
 			return err
 		}
 		defer prefill.Close()
-		src, err := prefill.AllocBuffer(size, "*")
-		if err != nil {
-			return err
-		}
 		fill(src, 0, c.seed)
 		seg, err := prefill.OpenSegment(context.Background(), owner.Name())
 		if err != nil {
@@ -530,11 +507,7 @@ loop:
 	if len(recs) == 0 {
 		fails = append(fails, errors.New("no abort was measured"))
 	}
-	if err := errors.Join(fails...); err != nil {
-		fmt.Printf("FAIL: abort benchmark: %v\n", err)
-		return fmt.Errorf("%w: %w", errAbortFail, err)
-	}
-	return nil
+	return verdict("abort", fails)
 }
 
 // ownerAnnouncements follows the two-process initiator's announcements on
@@ -572,16 +545,12 @@ func runAbortInitiator(c config) error {
 	if c.threads > 255 {
 		return errors.New("--two-process: at most 255 threads")
 	}
-	e, err := engine.New(c.engineOptions())
+	size := c.threads * c.blockSize
+	e, src, err := c.newEngine(size)
 	if err != nil {
 		return err
 	}
 	defer e.Close()
-	size := c.threads * c.blockSize
-	src, err := e.AllocBuffer(size, "*")
-	if err != nil {
-		return err
-	}
 	fill(src, 0, c.seed)
 	ctx := context.Background()
 	seg, err := e.OpenSegment(ctx, c.segment)

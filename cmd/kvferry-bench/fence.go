@@ -43,26 +43,17 @@ type bystanderRun struct {
 }
 
 func runFence(c config) error {
-	opts := c.engineOptions()
-	owner, err := engine.New(opts)
+	size := c.threads * c.blockSize
+	owner, slots, err := c.newEngine(size)
 	if err != nil {
 		return err
 	}
 	defer owner.Close()
-	prefill, err := engine.New(opts)
+	prefill, src, err := c.newEngine(size)
 	if err != nil {
 		return err
 	}
 	defer prefill.Close()
-	size := c.threads * c.blockSize
-	slots, err := owner.AllocBuffer(size, "*")
-	if err != nil {
-		return err
-	}
-	src, err := prefill.AllocBuffer(size, "*")
-	if err != nil {
-		return err
-	}
 	fill(src, 0, c.seed)
 	ctx := context.Background()
 	seg, err := prefill.OpenSegment(ctx, owner.Name())
@@ -90,7 +81,6 @@ func runFence(c config) error {
 	before := owner.Stats()
 
 	perThread := c.rate * 1e6 / float64(c.threads)
-	pieces := min(c.batchSize, c.blockSize)
 	victim := &victimRun{}
 	bystanders := make([]bystanderRun, c.threads)
 	var wg sync.WaitGroup
@@ -98,31 +88,9 @@ func runFence(c config) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			base := uint64(th) * uint64(c.blockSize)
-			reqs := make([]engine.Request, pieces)
-			piece := uint64(c.blockSize / pieces)
-			for i := range reqs {
-				n := piece
-				if i == pieces-1 {
-					n = uint64(c.blockSize) - piece*uint64(pieces-1)
-				}
-				off := base + uint64(i)*piece
-				reqs[i] = engine.Request{Op: engine.Write, Local: engine.AddrOf(src) + off, Segment: seg,
-					Remote: engine.AddrOf(slots) + off, Length: n}
-			}
-			next := time.Now()
-			for {
-				now := time.Now()
-				if !now.Before(stop) {
-					return
-				}
-				if d := next.Sub(now); d > 0 {
-					time.Sleep(min(d, stop.Sub(now)))
-					continue
-				}
-				if next.Sub(now) < -50*time.Millisecond {
-					next = now
-				}
+			reqs := threadRequests(c, th, engine.AddrOf(src), seg, engine.AddrOf(slots))
+			pace := newPacer(perThread, stop)
+			for pace.due() {
 				// No fence in progress when it is planned, and none after:
 				// a refusal then breaks the normal-flow promise.
 				s0, r0 := fenceStarted.Load(), fenceReturned.Load()
@@ -135,7 +103,7 @@ func runFence(c config) error {
 				for _, t := range res {
 					moved += t.Transferred
 				}
-				next = next.Add(time.Duration(float64(max(moved, 1)) / perThread * float64(time.Second)))
+				pace.spent(max(moved, 1))
 				if th == 0 {
 					victim.requests++
 					switch {
@@ -272,11 +240,7 @@ func runFence(c config) error {
 	if len(fenceLat) == 0 {
 		fails = append(fails, errors.New("no fence was measured"))
 	}
-	if err := errors.Join(fails...); err != nil {
-		fmt.Printf("FAIL: fence benchmark: %v\n", err)
-		return fmt.Errorf("%w: %w", errAbortFail, err)
-	}
-	return nil
+	return verdict("fence", fails)
 }
 
 func errSuffix(err error) string {

@@ -92,22 +92,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "kvferry-bench:", err)
 		os.Exit(2)
 	}
-	var err error
-	switch c.mode {
-	case "target":
-		err = runTarget(c)
-	case "initiator":
-		err = runInitiator(c, nil)
-	case "loopback":
-		err = runLoopback(c)
-	case "raw-tcp":
-		err = runRawTCP(c)
-	case "abort":
-		err = runAbort(c)
-	case "fence":
-		err = runFence(c)
-	}
-	if err != nil {
+	if err := modes[c.mode](c); err != nil {
 		pprof.StopCPUProfile()
 		fmt.Fprintln(os.Stderr, "kvferry-bench:", err)
 		if errors.Is(err, errMismatch) || errors.Is(err, errAbortFail) {
@@ -117,10 +102,18 @@ func main() {
 	}
 }
 
+// modes are the --mode values and what runs each.
+var modes = map[string]func(config) error{
+	"target":    runTarget,
+	"initiator": func(c config) error { return runInitiator(c, nil) },
+	"loopback":  runLoopback,
+	"raw-tcp":   runRawTCP,
+	"abort":     runAbort,
+	"fence":     runFence,
+}
+
 func (c *config) check() error {
-	switch c.mode {
-	case "target", "initiator", "loopback", "raw-tcp", "abort", "fence":
-	default:
+	if _, ok := modes[c.mode]; !ok {
 		return fmt.Errorf("--mode %q: want target, initiator, loopback, raw-tcp, abort or fence", c.mode)
 	}
 	if c.op != "write" && c.op != "read" {
@@ -146,6 +139,21 @@ func (c *config) check() error {
 
 func (c *config) engineOptions() engine.Options {
 	return engine.Options{Host: c.host, SliceSize: c.sliceSize, PathsPerPeer: c.pathCount}
+}
+
+// newEngine starts an engine with c's options and allocates size bytes of
+// its memory, in any location. The caller closes the engine.
+func (c *config) newEngine(size int) (*engine.Engine, []byte, error) {
+	e, err := engine.New(c.engineOptions())
+	if err != nil {
+		return nil, nil, err
+	}
+	buf, err := e.AllocBuffer(size, "*")
+	if err != nil {
+		e.Close()
+		return nil, nil, err
+	}
+	return e, buf, nil
 }
 
 // fill writes the pattern of seed into b, as it would stand at offset off of
@@ -189,17 +197,22 @@ func verify(b []byte, start int, seed uint64) error {
 	return nil
 }
 
+// newTarget is a target's engine and its --buffer-size bytes, filled with
+// the pattern of --seed that READs from initiators expect.
+func (c *config) newTarget() (*engine.Engine, []byte, error) {
+	e, buf, err := c.newEngine(c.bufferSize)
+	if err == nil {
+		fill(buf, 0, c.seed)
+	}
+	return e, buf, err
+}
+
 func runTarget(c config) error {
-	e, err := engine.New(c.engineOptions())
+	e, buf, err := c.newTarget()
 	if err != nil {
 		return err
 	}
 	defer e.Close()
-	buf, err := e.AllocBuffer(c.bufferSize, "*")
-	if err != nil {
-		return err
-	}
-	fill(buf, 0, c.seed) // what READs from initiators expect
 	fmt.Printf("target ready: segment=%s buffer=%#x size=%d\n", e.Name(), engine.AddrOf(buf), len(buf))
 	sig := make(chan os.Signal, 1)
 	signal.Notify(sig, syscall.SIGINT, syscall.SIGTERM)
@@ -208,16 +221,11 @@ func runTarget(c config) error {
 }
 
 func runLoopback(c config) error {
-	target, err := engine.New(c.engineOptions())
+	target, buf, err := c.newTarget()
 	if err != nil {
 		return err
 	}
 	defer target.Close()
-	buf, err := target.AllocBuffer(c.bufferSize, "*")
-	if err != nil {
-		return err
-	}
-	fill(buf, 0, c.seed)
 	c.segment = target.Name()
 	return runInitiator(c, buf)
 }
@@ -231,15 +239,11 @@ type result struct {
 // runInitiator runs the timed loop against c.segment. In loopback mode
 // targetBuf is the target's buffer, checked directly as well.
 func runInitiator(c config, targetBuf []byte) error {
-	e, err := engine.New(c.engineOptions())
+	e, local, err := c.newEngine(c.bufferSize)
 	if err != nil {
 		return err
 	}
 	defer e.Close()
-	local, err := e.AllocBuffer(c.bufferSize, "*")
-	if err != nil {
-		return err
-	}
 	ctx := context.Background()
 	seg, err := e.OpenSegment(ctx, c.segment)
 	if err != nil {

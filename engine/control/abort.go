@@ -1,41 +1,46 @@
 package control
 
 import (
-	"encoding/binary"
 	"fmt"
+
+	"github.com/kvferry/kvferry/internal/wire"
+)
+
+// Exact sizes of the abort messages' bodies.
+const (
+	AbortMsgSize = 16 // ABORT and CANCELED: an AbortMsg
+	AbortAckSize = 24 // ABORT_ACK: an AbortAck
 )
 
 // AbortMsg is the body of ABORT: the owner aborted RequestID, and every
 // access of it below Generation is refused from now on. CANCELED carries
 // the same body: the initiator gave up on RequestID at Generation (a
-// deadline passed or its caller canceled) and moves no more bytes of it. Layout (little
-// endian, AbortMsgSize bytes): u64 request id, u32 generation, u32 zero.
+// deadline passed or its caller canceled) and moves no more bytes of it.
+// Layout (little endian, AbortMsgSize bytes): u64 request id, u32
+// generation, u32 zero.
 type AbortMsg struct {
 	RequestID  uint64
 	Generation uint32
 }
 
-// AbortMsgSize is the exact size of an ABORT body.
-const AbortMsgSize = 16
-
 // Encode returns the body.
 func (m AbortMsg) Encode() []byte {
-	b := make([]byte, AbortMsgSize)
-	binary.LittleEndian.PutUint64(b[0:], m.RequestID)
-	binary.LittleEndian.PutUint32(b[8:], m.Generation)
-	return b
+	w := wire.Writer{B: make([]byte, 0, AbortMsgSize)}
+	w.U64(m.RequestID)
+	w.U32(m.Generation)
+	w.U32(0)
+	return w.B
 }
 
 // DecodeAbortMsg parses and validates an ABORT body.
 func DecodeAbortMsg(b []byte) (AbortMsg, error) {
-	var m AbortMsg
-	if len(b) != AbortMsgSize {
-		return m, fmt.Errorf("%w: ABORT body of %d bytes, want %d", ErrMalformed, len(b), AbortMsgSize)
+	r, err := exactBody("ABORT body", b, AbortMsgSize)
+	if err != nil {
+		return AbortMsg{}, err
 	}
-	m.RequestID = binary.LittleEndian.Uint64(b[0:])
-	m.Generation = binary.LittleEndian.Uint32(b[8:])
-	if z := binary.LittleEndian.Uint32(b[12:]); z != 0 {
-		return m, fmt.Errorf("%w: ABORT reserved field %#x is not zero", ErrMalformed, z)
+	m := AbortMsg{RequestID: r.U64(), Generation: r.U32()}
+	if err := reservedZero("ABORT", uint64(r.U32())); err != nil {
+		return m, err
 	}
 	if m.RequestID == 0 {
 		return m, fmt.Errorf("%w: ABORT of request id 0", ErrMalformed)
@@ -59,17 +64,9 @@ const (
 	AckHeard AckOutcome = 3
 )
 
-func (o AckOutcome) String() string {
-	switch o {
-	case AckDrained:
-		return "drained"
-	case AckCut:
-		return "cut"
-	case AckHeard:
-		return "heard"
-	}
-	return fmt.Sprintf("AckOutcome(%d)", uint8(o))
-}
+var ackOutcomeNames = [...]string{AckDrained: "drained", AckCut: "cut", AckHeard: "heard"}
+
+func (o AckOutcome) String() string { return enumName(ackOutcomeNames[:], int(o), "AckOutcome") }
 
 // AbortAck is the body of ABORT_ACK. The initiator's identity is the routing
 // id it sent from (its segment name). Layout (little endian, AbortAckSize
@@ -83,34 +80,31 @@ type AbortAck struct {
 	Landed     uint64
 }
 
-// AbortAckSize is the exact size of an ABORT_ACK body.
-const AbortAckSize = 24
-
 // Encode returns the body.
 func (m AbortAck) Encode() []byte {
-	b := make([]byte, AbortAckSize)
-	binary.LittleEndian.PutUint64(b[0:], m.RequestID)
-	binary.LittleEndian.PutUint32(b[8:], m.Generation)
-	b[12] = uint8(m.Outcome)
-	binary.LittleEndian.PutUint64(b[16:], m.Landed)
-	return b
+	w := wire.Writer{B: make([]byte, 0, AbortAckSize)}
+	w.U64(m.RequestID)
+	w.U32(m.Generation)
+	w.U8(uint8(m.Outcome))
+	w.Zeros(3)
+	w.U64(m.Landed)
+	return w.B
 }
 
 // DecodeAbortAck parses and validates an ABORT_ACK body.
 func DecodeAbortAck(b []byte) (AbortAck, error) {
-	var m AbortAck
-	if len(b) != AbortAckSize {
-		return m, fmt.Errorf("%w: ABORT_ACK body of %d bytes, want %d", ErrMalformed, len(b), AbortAckSize)
+	r, err := exactBody("ABORT_ACK body", b, AbortAckSize)
+	if err != nil {
+		return AbortAck{}, err
 	}
-	m.RequestID = binary.LittleEndian.Uint64(b[0:])
-	m.Generation = binary.LittleEndian.Uint32(b[8:])
-	m.Outcome = AckOutcome(b[12])
-	m.Landed = binary.LittleEndian.Uint64(b[16:])
-	if b[13] != 0 || b[14] != 0 || b[15] != 0 {
+	m := AbortAck{RequestID: r.U64(), Generation: r.U32(), Outcome: AckOutcome(r.U8())}
+	reserved := r.Take(3)
+	m.Landed = r.U64()
+	if reserved[0] != 0 || reserved[1] != 0 || reserved[2] != 0 {
 		return m, fmt.Errorf("%w: ABORT_ACK reserved bytes are not zero", ErrMalformed)
 	}
 	if m.Outcome < AckDrained || m.Outcome > AckHeard {
-		return m, fmt.Errorf("%w: ABORT_ACK outcome %d", ErrMalformed, b[12])
+		return m, fmt.Errorf("%w: ABORT_ACK outcome %d", ErrMalformed, uint8(m.Outcome))
 	}
 	if m.RequestID == 0 {
 		return m, fmt.Errorf("%w: ABORT_ACK of request id 0", ErrMalformed)
@@ -131,10 +125,10 @@ type Notification struct {
 
 // Encode returns the body.
 func (n Notification) Encode() []byte {
-	b := make([]byte, 8+len(n.Data))
-	binary.LittleEndian.PutUint64(b, n.RequestID)
-	copy(b[8:], n.Data)
-	return b
+	w := wire.Writer{B: make([]byte, 0, 8+len(n.Data))}
+	w.U64(n.RequestID)
+	w.B = append(w.B, n.Data...)
+	return w.B
 }
 
 // DecodeNotification parses and validates a NOTIFY body; Data is a copy.
@@ -143,7 +137,8 @@ func DecodeNotification(b []byte) (Notification, error) {
 	if len(b) < 8 || len(b) > 8+MaxNotifyData {
 		return n, fmt.Errorf("%w: NOTIFY body of %d bytes, want 8 to %d", ErrMalformed, len(b), 8+MaxNotifyData)
 	}
-	n.RequestID = binary.LittleEndian.Uint64(b)
-	n.Data = append([]byte(nil), b[8:]...)
+	r := wire.Reader{B: b, Malformed: ErrMalformed}
+	n.RequestID = r.U64()
+	n.Data = append([]byte(nil), r.B...)
 	return n, nil
 }

@@ -3,6 +3,8 @@ package control
 import (
 	"encoding/binary"
 	"fmt"
+
+	"github.com/kvferry/kvferry/internal/wire"
 )
 
 // FenceRange is one fenced range of the owner's memory.
@@ -52,8 +54,8 @@ func DecodeFenceMsg(b []byte) (FenceMsg, error) {
 	m.Epoch = binary.LittleEndian.Uint64(b[0:])
 	m.Floor = binary.LittleEndian.Uint64(b[8:])
 	n := binary.LittleEndian.Uint32(b[16:])
-	if z := binary.LittleEndian.Uint32(b[20:]); z != 0 {
-		return m, fmt.Errorf("%w: FENCE reserved field %#x is not zero", ErrMalformed, z)
+	if err := reservedZero("FENCE", uint64(binary.LittleEndian.Uint32(b[20:]))); err != nil {
+		return m, err
 	}
 	if m.Epoch == 0 || m.Floor > m.Epoch {
 		return m, fmt.Errorf("%w: FENCE epoch %d with floor %d", ErrMalformed, m.Epoch, m.Floor)
@@ -86,20 +88,21 @@ const FenceAckSize = 16
 
 // Encode returns the body.
 func (m FenceAck) Encode() []byte {
-	b := make([]byte, FenceAckSize)
-	binary.LittleEndian.PutUint64(b[0:], m.Epoch)
-	return b
+	w := wire.Writer{B: make([]byte, 0, FenceAckSize)}
+	w.U64(m.Epoch)
+	w.U64(0)
+	return w.B
 }
 
 // DecodeFenceAck parses and validates a FENCE_ACK body.
 func DecodeFenceAck(b []byte) (FenceAck, error) {
-	var m FenceAck
-	if len(b) != FenceAckSize {
-		return m, fmt.Errorf("%w: FENCE_ACK body of %d bytes, want %d", ErrMalformed, len(b), FenceAckSize)
+	r, err := exactBody("FENCE_ACK body", b, FenceAckSize)
+	if err != nil {
+		return FenceAck{}, err
 	}
-	m.Epoch = binary.LittleEndian.Uint64(b[0:])
-	if z := binary.LittleEndian.Uint64(b[8:]); z != 0 {
-		return m, fmt.Errorf("%w: FENCE_ACK reserved field %#x is not zero", ErrMalformed, z)
+	m := FenceAck{Epoch: r.U64()}
+	if err := reservedZero("FENCE_ACK", r.U64()); err != nil {
+		return m, err
 	}
 	if m.Epoch == 0 {
 		return m, fmt.Errorf("%w: FENCE_ACK of epoch 0", ErrMalformed)

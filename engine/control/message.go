@@ -21,6 +21,8 @@ import (
 	"sync"
 
 	"github.com/klauspost/compress/zstd"
+
+	"github.com/kvferry/kvferry/internal/wire"
 )
 
 // Envelope layout (little endian, EnvelopeSize bytes):
@@ -50,8 +52,8 @@ const (
 type MsgType uint8
 
 // Message types. Requests are answered by a reply with the same
-// correlation id; one-way messages (ABORT, ABORT_ACK) are not, and are
-// matched by their bodies instead.
+// correlation id; one-way messages (see IsOneWay) are not, and are matched
+// by their bodies instead.
 const (
 	MsgGetDescriptor MsgType = 1 // -> Descriptor
 	MsgDescriptor    MsgType = 2
@@ -70,38 +72,34 @@ const (
 	maxMsgType               = MsgFenceAck
 )
 
+// msgTypeNames are the types' names in logs and errors.
+var msgTypeNames = [...]string{
+	MsgGetDescriptor: "GET_DESCRIPTOR",
+	MsgDescriptor:    "DESCRIPTOR",
+	MsgPing:          "PING",
+	MsgPong:          "PONG",
+	MsgError:         "ERROR",
+	MsgAbort:         "ABORT",
+	MsgAbortAck:      "ABORT_ACK",
+	MsgNotify:        "NOTIFY",
+	MsgNotifyAck:     "NOTIFY_ACK",
+	MsgFence:         "FENCE",
+	MsgFenceAck:      "FENCE_ACK",
+	MsgCanceled:      "CANCELED",
+	MsgTransport:     "TRANSPORT",
+	MsgTransportRep:  "TRANSPORT_REPLY",
+}
+
 func (t MsgType) String() string {
-	switch t {
-	case MsgGetDescriptor:
-		return "GET_DESCRIPTOR"
-	case MsgDescriptor:
-		return "DESCRIPTOR"
-	case MsgPing:
-		return "PING"
-	case MsgPong:
-		return "PONG"
-	case MsgError:
-		return "ERROR"
-	case MsgAbort:
-		return "ABORT"
-	case MsgAbortAck:
-		return "ABORT_ACK"
-	case MsgNotify:
-		return "NOTIFY"
-	case MsgNotifyAck:
-		return "NOTIFY_ACK"
-	case MsgFence:
-		return "FENCE"
-	case MsgFenceAck:
-		return "FENCE_ACK"
-	case MsgCanceled:
-		return "CANCELED"
-	case MsgTransport:
-		return "TRANSPORT"
-	case MsgTransportRep:
-		return "TRANSPORT_REPLY"
+	return enumName(msgTypeNames[:], int(t), "MsgType")
+}
+
+// enumName returns names[v], or "Type(v)" for a value without a name.
+func enumName(names []string, v int, typ string) string {
+	if v >= 0 && v < len(names) && names[v] != "" {
+		return names[v]
 	}
-	return fmt.Sprintf("MsgType(%d)", uint8(t))
+	return fmt.Sprintf("%s(%d)", typ, v)
 }
 
 // IsReply reports whether t answers a request.
@@ -127,6 +125,24 @@ type Envelope struct {
 // ErrMalformed marks a message that failed validation.
 var ErrMalformed = errors.New("malformed control message")
 
+// exactBody returns a reader over b, which must be exactly size bytes;
+// what names the message part in the error ("ABORT body").
+func exactBody(what string, b []byte, size int) (*wire.Reader, error) {
+	if len(b) != size {
+		return nil, fmt.Errorf("%w: %s of %d bytes, want %d", ErrMalformed, what, len(b), size)
+	}
+	return &wire.Reader{B: b, Malformed: ErrMalformed}, nil
+}
+
+// reservedZero refuses a reserved field of message msg that is not zero:
+// a peer that sets it speaks a layout this one does not know.
+func reservedZero(msg string, z uint64) error {
+	if z != 0 {
+		return fmt.Errorf("%w: %s reserved field %#x is not zero", ErrMalformed, msg, z)
+	}
+	return nil
+}
+
 // EncodeEnvelope returns the envelope frame.
 func EncodeEnvelope(e Envelope) []byte {
 	b := make([]byte, EnvelopeSize)
@@ -141,8 +157,8 @@ func EncodeEnvelope(e Envelope) []byte {
 // DecodeEnvelope parses and validates an envelope frame.
 func DecodeEnvelope(b []byte) (Envelope, error) {
 	var e Envelope
-	if len(b) != EnvelopeSize {
-		return e, fmt.Errorf("%w: envelope of %d bytes, want %d", ErrMalformed, len(b), EnvelopeSize)
+	if _, err := exactBody("envelope", b, EnvelopeSize); err != nil {
+		return e, err
 	}
 	if m := binary.LittleEndian.Uint16(b[0:]); m != envelopeMagic {
 		return e, fmt.Errorf("%w: magic %#x", ErrMalformed, m)

@@ -6,8 +6,10 @@
 // registered and a range the owner registered, named by a buffer key. The
 // owner decides, chunk by chunk, whether an access may proceed; the initiator
 // learns the outcome of each slice through its Done callback. Optional
-// abilities (a fence on the owner's side, GPU memory) are separate interfaces
-// found by type assertion, so this one stays small.
+// abilities (a fence on the owner's side, access ahead of the bytes,
+// uncertain work, GPU memory...) are separate small interfaces found by type
+// assertion, so Transport and Endpoint stay small; the engine looks for them
+// in one place.
 package transport
 
 import (
@@ -313,7 +315,7 @@ type Transport interface {
 	Close() error
 }
 
-// Endpoint is one path to a peer (a connection, later a QP).
+// Endpoint is one path to a peer (a tcp connection, a set of rdma QPs).
 type Endpoint interface {
 	// Post queues slices in order. Each ends by exactly one call of its
 	// Done, unless it was canceled first by TryCancel.
@@ -358,11 +360,49 @@ type OwnerCopier interface {
 // Fencer is an optional ability of transports whose owner-side memory is
 // written by hardware (RDMA): cut every path from one initiator so that no
 // further access of it executes, without the initiator's help (SAFETY.md,
-// rdma (b): move the responder QPs to the error state, then reconnect). It
+// how rdma keeps promise 1: the owner's own fence moves the responder QPs
+// to the error state; the initiator reconnects). It
 // returns once nothing the initiator posted before the call can still
 // execute.
 type Fencer interface {
 	Fence(ctx context.Context, initiator string) error
+}
+
+// FenceSwitch is an optional ability of transports whose owner-side fence
+// can be turned off (rdma with KVFERRY_RDMA_FENCE=0): FenceEnabled reports
+// whether Fence works. A transport reporting false is not taken for a
+// Fencer: an abort then rests on the initiators' drained ACKs, and a fence
+// by memory range is not Safe while one of its initiators is connected.
+type FenceSwitch interface {
+	FenceEnabled() bool
+}
+
+// InitiatorLister is an optional ability of transports that admit an
+// initiator ahead of its bytes (rdma): Initiators names every initiator
+// connected to us now, each of which may hold access (an rkey of request id
+// 0 reaches a whole registration) that a fence by memory range must cut
+// with the Fencer.
+type InitiatorLister interface {
+	Initiators() []string
+}
+
+// HandshakeServer is an optional ability of transports that set up paths
+// and admit accesses over the control plane (rdma: QP connects, rkey
+// requests, releases): Serve answers one such request from peer, the reply
+// body or an error the engine sends back as an ERROR reply. It runs on the
+// control plane's loop and must not block.
+type HandshakeServer interface {
+	Serve(from string, body []byte) ([]byte, error)
+}
+
+// UncertainTracker is an optional ability of transports whose paths may
+// lose work without the owner's answer (rdma: a work request ended by a
+// path error may still have executed at the responder): Uncertain reports
+// whether work of request rid to peer ended that way lately, so that the
+// initiator cannot promise that the request is drained (its ABORT_ACK says
+// cut instead).
+type UncertainTracker interface {
+	Uncertain(peer string, rid uint64) bool
 }
 
 // FenceEpocher is an optional ability of owners that fence by memory range:
@@ -383,12 +423,12 @@ type AccessTracker interface {
 }
 
 // Drainer is an optional ability of endpoints whose slices may still move
-// bytes after the engine saw them end (rdma: a canceled slice's work requests
-// may still be on the wire): Drain returns once
-// every work request posted on the path for requestID has completed or been
-// flushed, so the initiator's ABORT_ACK can mean "drained" (SAFETY.md,
-// rdma (a)). Endpoints that end a slice only after the owner answered it,
-// as tcp and local do, need no Drainer: the engine waits for the slices.
+// bytes after the engine saw them end (rdma: a canceled slice's work
+// requests may still be on the wire): Drain returns once every work request
+// posted on the path for requestID has completed or been flushed, so the
+// initiator's ABORT_ACK can mean "drained" (SAFETY.md promise 2).
+// Endpoints that end a slice only after the owner answered it, as tcp and
+// local do, need no Drainer: the engine waits for the slices.
 type Drainer interface {
 	Drain(ctx context.Context, requestID uint64) error
 }

@@ -11,22 +11,15 @@ import (
 
 func TestBurstThenSuppressedThenReported(t *testing.T) {
 	var buf bytes.Buffer
-	l := New(slog.New(slog.NewTextHandler(&buf, nil)))
-	now := time.Unix(1000, 0)
-	l.now = func() time.Time { return now }
-	logged := 0
-	for i := 0; i < 1000; i++ {
-		if l.Warn("peer-a", "bad message", "i", i) {
-			logged++
-		}
-	}
+	l, now := testLimiter(&buf)
+	logged := warnEach(l, 1000, func(int) string { return "peer-a" })
 	if logged != DefaultBurst {
 		t.Fatalf("logged %d lines of 1000, want the burst %d", logged, DefaultBurst)
 	}
 	if got := l.Suppressed(); got != 1000-DefaultBurst {
 		t.Fatalf("suppressed %d, want %d", got, 1000-DefaultBurst)
 	}
-	now = now.Add(DefaultInterval)
+	*now = now.Add(DefaultInterval)
 	if !l.Warn("peer-a", "bad message") {
 		t.Fatal("a line after the interval was suppressed")
 	}
@@ -40,19 +33,33 @@ func TestBurstThenSuppressedThenReported(t *testing.T) {
 
 func TestManyKeysShareOneBudgetPastTheCap(t *testing.T) {
 	var buf bytes.Buffer
-	l := New(slog.New(slog.NewTextHandler(&buf, nil)))
-	now := time.Unix(1000, 0)
-	l.now = func() time.Time { return now }
-	logged := 0
-	for i := 0; i < 100000; i++ {
-		if l.Warn(fmt.Sprint("peer-", i), "bad message") {
-			logged++
-		}
-	}
+	l, _ := testLimiter(&buf)
+	logged := warnEach(l, 100000, func(i int) string { return fmt.Sprint("peer-", i) })
 	if logged > maxKeys+DefaultBurst {
 		t.Fatalf("%d distinct keys logged %d lines; want at most %d", 100000, logged, maxKeys+DefaultBurst)
 	}
 	if len(l.keys) > maxKeys+1 {
 		t.Fatalf("the limiter remembers %d keys, cap %d", len(l.keys), maxKeys)
 	}
+}
+
+// testLimiter returns a limiter writing text lines to buf, on a clock that
+// moves only when the test moves *now.
+func testLimiter(buf *bytes.Buffer) (*Limiter, *time.Time) {
+	l := New(slog.New(slog.NewTextHandler(buf, nil)))
+	now := time.Unix(1000, 0)
+	l.now = func() time.Time { return now }
+	return l, &now
+}
+
+// warnEach warns n times, the i-th under key(i) with attribute i, and
+// returns how many lines were logged.
+func warnEach(l *Limiter, n int, key func(i int) string) int {
+	logged := 0
+	for i := 0; i < n; i++ {
+		if l.Warn(key(i), "bad message", "i", i) {
+			logged++
+		}
+	}
+	return logged
 }

@@ -1,7 +1,7 @@
-// Package wire reads little-endian messages for the control plane's and
-// the transports' decoders: every read checks the bytes left first, and
-// the first shortfall sticks, so a decoder reads a whole message and looks
-// at Err once.
+// Package wire reads and writes little-endian messages for the control
+// plane's and the transports' codecs. Every read checks the bytes left
+// first, and the first shortfall sticks, so a decoder reads a whole message
+// and looks at Err once; a Writer appends fields in order.
 package wire
 
 import (
@@ -81,4 +81,25 @@ func (r *Reader) End() error {
 		r.Err = fmt.Errorf("%w: %d trailing bytes", r.Malformed, len(r.B))
 	}
 	return r.Err
+}
+
+// Writer appends little-endian fields to B in order.
+type Writer struct {
+	B []byte
+}
+
+// U8 appends one byte.
+func (w *Writer) U8(v uint8) { w.B = append(w.B, v) }
+
+// U32 appends a little-endian uint32.
+func (w *Writer) U32(v uint32) { w.B = binary.LittleEndian.AppendUint32(w.B, v) }
+
+// U64 appends a little-endian uint64.
+func (w *Writer) U64(v uint64) { w.B = binary.LittleEndian.AppendUint64(w.B, v) }
+
+// Zeros appends n zero bytes (reserved fields).
+func (w *Writer) Zeros(n int) {
+	for range n {
+		w.B = append(w.B, 0)
+	}
 }

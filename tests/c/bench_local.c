@@ -9,7 +9,7 @@
  *   submit  the kvf_batch_submit part of total (small local copies run inside it)
  *   wait    the kvf_batch_wait part of total
  *   sync    kvf_transfer_sync of the same requests (a separate loop)
- * The bar of issue 3 is 300 ns per request at 1024 x 64 B (total). */
+ * The target is at most 300 ns per request at 1024 x 64 B (total). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>

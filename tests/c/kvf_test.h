@@ -4,10 +4,12 @@
 #define KVF_TEST_H
 
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kvferry.h"
 
@@ -73,6 +75,40 @@ static inline kvf_engine kvft_engine(void) {
     return e;
 }
 
+/* Milliseconds on the monotonic clock. */
+static inline double kvft_now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
+}
+
+/* e's counters, in this header's layout. */
+static inline kvf_stats kvft_stats(kvf_engine e) {
+    kvf_stats s;
+    memset(&s, 0, sizeof s);
+    s.struct_size = sizeof s;
+    CHECK_OK(kvf_engine_stats(e, &s));
+    return s;
+}
+
+/* e's counters as a program built against an older header (named layout
+ * in messages) asks for them, with struct_size = size: the library fills the
+ * head and must neither change struct_size nor write a byte past size
+ * (checked here). Only the head of the result is meaningful. */
+static inline kvf_stats kvft_stats_sized(kvf_engine e, size_t size, const char *layout) {
+    union {
+        kvf_stats s;
+        uint8_t b[sizeof(kvf_stats)];
+    } u;
+    memset(&u, 0xab, sizeof u);
+    u.s.struct_size = (uint32_t)size;
+    CHECK_OK(kvf_engine_stats(e, &u.s));
+    CHECK(u.s.struct_size == size, "struct_size changed to %u", u.s.struct_size);
+    for (size_t k = size; k < sizeof u; k++)
+        CHECK(u.b[k] == 0xab, "byte %zu past the %s layout was written", k, layout);
+    return u.s;
+}
+
 static inline void kvft_name(kvf_engine e, char *buf, size_t cap) {
     size_t n = 0;
     CHECK_OK(kvf_engine_name(e, buf, cap, &n));
@@ -103,16 +139,11 @@ static inline long kvft_verify(const void *buf, size_t len, uint32_t seed) {
     return -1;
 }
 
+/* A request with flags 0. */
 static inline kvf_request kvft_req(uint32_t op, void *local, kvf_segment seg, uint64_t remote,
                                    uint64_t len, uint64_t id) {
-    kvf_request r;
-    memset(&r, 0, sizeof r);
-    r.op = op;
-    r.local = local;
-    r.segment = seg;
-    r.remote = remote;
-    r.length = len;
-    r.request_id = id;
+    kvf_request r = {.op = op, .flags = 0, .local = local, .segment = seg, .remote = remote, .length = len,
+                     .request_id = id};
     return r;
 }
 

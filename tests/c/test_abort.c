@@ -23,41 +23,12 @@
  * The same with SIGKILL instead of SIGCONT.
  *
  * Argument errors of these calls are tested in test_errors.c. */
-#include <errno.h>
 #include <poll.h>
-#include <signal.h>
-#include <spawn.h>
 #include <stddef.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/wait.h>
-#include <time.h>
-#include <unistd.h>
 
-#include "kvf_test.h"
+#include "kvf_pair.h"
 
-#define KiB 1024u
-#define MiB (1024u * 1024u)
-#define OWNER_SIZE (32 * MiB)
-#define INIT_SIZE (32 * MiB)
-
-extern char **environ;
-
-static kvf_engine owner, init;
-static char oname[128], iname[128];
-static uint8_t *omem; /* the owner's memory: the caller's own, registered */
-static uint8_t *imem; /* the initiator's: from kvf_alloc_buffer */
-static uint64_t obase;
-static kvf_segment seg; /* the owner, opened by the initiator */
 static int aborts_done; /* kvf_abort calls that returned safe */
-
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
-}
 
 /* Whether fd polls readable within timeout_ms: the contract of
  * kvf_event_fd is stated in poll(2) terms, so it is tested through poll. */
@@ -123,14 +94,6 @@ static kvf_status write_sync(size_t ioff, size_t ooff, size_t len, uint64_t rid,
     kvf_request w = kvft_req(KVF_OP_WRITE, imem + ioff, seg, obase + ooff, len, rid);
     memset(ts, 0xff, sizeof *ts);
     return kvf_transfer_sync(init, &w, 1, 10000, ts);
-}
-
-static kvf_stats stats_of(kvf_engine e) {
-    kvf_stats s;
-    memset(&s, 0, sizeof s);
-    s.struct_size = sizeof s;
-    CHECK_OK(kvf_engine_stats(e, &s));
-    return s;
 }
 
 /* ---- 1. abort of a request that wrote, and the initiator's events ------- */
@@ -232,7 +195,7 @@ static void test_abort_no_initiator(void) {
     kvft_fill(imem + off, len, 21);
     CHECK_OK(write_sync(off, off, len, R, &ts));
     CHECK(kvft_verify(omem + off, len, 21) < 0, "WRITE did not land");
-    kvf_stats before = stats_of(owner);
+    kvf_stats before = kvft_stats(owner);
 
     abort_safe(R, NULL, 0, 1);
     /* Nobody was told; the refusal is the fence, and teaches the initiator. */
@@ -242,7 +205,7 @@ static void test_abort_no_initiator(void) {
     CHECK(ts.state == KVF_TASK_ABORTED, "WRITE after an unnamed abort: %s", kvf_task_state_str(ts.state));
     long bad = kvft_verify(omem + off, len, 21);
     CHECK(bad < 0, "owner memory changed after an unnamed abort, at %ld", bad);
-    kvf_stats after = stats_of(owner);
+    kvf_stats after = kvft_stats(owner);
     CHECK(after.owner_refused > before.owner_refused, "owner refused %llu -> %llu",
           (unsigned long long)before.owner_refused, (unsigned long long)after.owner_refused);
     kvf_event ev = take_one(init, 5000, "abort learned from a refusal");
@@ -266,7 +229,7 @@ static void test_abort_no_initiator(void) {
 static void test_abort_in_flight(void) {
     enum { LAYERS = 32, ROUNDS = 8 };
     const size_t slot = 16 * MiB, layer = 256 * KiB, span = (size_t)LAYERS * layer;
-    kvf_stats before = stats_of(owner);
+    kvf_stats before = kvft_stats(owner);
     const char *names[1] = {iname};
     int caught = 0;
     int round = 0;
@@ -285,14 +248,14 @@ static void test_abort_in_flight(void) {
         for (size_t i = 0; i < LAYERS; i++)
             reqs[i] = kvft_req(KVF_OP_WRITE, imem + slot + i * layer, seg, obase + slot + i * layer, layer, R);
         CHECK_OK(kvf_batch_submit(b, reqs, LAYERS));
-        double deadline = now_ms() + 10000;
+        double deadline = kvft_now_ms() + 10000;
         for (;;) {
             kvf_task_status st[LAYERS];
             size_t nt = 0, done = 0;
             CHECK_OK(kvf_batch_status_all(b, st, LAYERS, &nt));
             for (size_t i = 0; i < nt; i++) done += st[i].state == KVF_TASK_COMPLETED;
             if (done >= k) break;
-            CHECK(now_ms() < deadline, "round %d: %zu of %zu layers completed in 10 s", round, done, k);
+            CHECK(kvft_now_ms() < deadline, "round %d: %zu of %zu layers completed in 10 s", round, done, k);
             usleep(20); /* leave the copying threads the CPU on small machines */
         }
         abort_safe(R, names, 1, 1);
@@ -324,7 +287,7 @@ static void test_abort_in_flight(void) {
         check_aborted_event(&ev, R, 1, oname);
         expect_no_event(init, "abort in flight");
     }
-    kvf_stats after = stats_of(owner);
+    kvf_stats after = kvft_stats(owner);
     fprintf(stderr, "in flight: %d of %d rounds aborted layers; owner refused %llu, in flight %llu\n", caught,
             round, (unsigned long long)(after.owner_refused - before.owner_refused),
             (unsigned long long)(after.refused_in_flight - before.refused_in_flight));
@@ -428,10 +391,10 @@ static void test_notify(void) {
     CHECK(!fd_readable(fd, 0), "owner's event fd readable after every event was taken");
 
     /* Nothing pending: a bounded wait returns none. */
-    double t0 = now_ms();
+    double t0 = kvft_now_ms();
     CHECK_OK(kvf_poll_events(owner, evs, 8, &n, 50));
     CHECK(n == 0, "%zu events from nowhere", n);
-    CHECK(now_ms() - t0 < 5000, "kvf_poll_events(50 ms) took %.0f ms", now_ms() - t0);
+    CHECK(kvft_now_ms() - t0 < 5000, "kvf_poll_events(50 ms) took %.0f ms", kvft_now_ms() - t0);
 
     /* Notifications go both ways: the owner opens the initiator. */
     kvf_segment back = NULL;
@@ -447,7 +410,7 @@ static void test_notify(void) {
 /* ---- 6. counters, and the 0.1 layout of kvf_stats ----------------------- */
 
 static void test_stats(int tasks_aborted_min) {
-    kvf_stats o = stats_of(owner), i = stats_of(init);
+    kvf_stats o = kvft_stats(owner), i = kvft_stats(init);
     CHECK(o.aborts_safe == (uint64_t)aborts_done, "owner aborts_safe %llu, want %d",
           (unsigned long long)o.aborts_safe, aborts_done);
     CHECK(o.aborts_not_safe == 0, "owner aborts_not_safe %llu", (unsigned long long)o.aborts_not_safe);
@@ -469,109 +432,13 @@ static void test_stats(int tasks_aborted_min) {
 
     /* A program built against 0.1 passes the smaller size: the head is
      * filled, the bytes past it are not touched. */
-    const size_t old = offsetof(kvf_stats, aborts_safe);
-    union {
-        kvf_stats s;
-        uint8_t b[sizeof(kvf_stats)];
-    } u;
-    memset(&u, 0xab, sizeof u);
-    u.s.struct_size = (uint32_t)old;
-    CHECK_OK(kvf_engine_stats(owner, &u.s));
-    CHECK(u.s.struct_size == old, "struct_size changed to %u", u.s.struct_size);
-    CHECK(u.s.registrations == 1 && u.s.open_segments == 0 && u.s.owner_refused >= o.owner_refused,
-          "0.1 layout: registrations %llu open_segments %llu", (unsigned long long)u.s.registrations,
-          (unsigned long long)u.s.open_segments);
-    for (size_t k = old; k < sizeof u; k++) CHECK(u.b[k] == 0xab, "byte %zu past the 0.1 layout was written", k);
+    kvf_stats v01 = kvft_stats_sized(owner, offsetof(kvf_stats, aborts_safe), "0.1");
+    CHECK(v01.registrations == 1 && v01.open_segments == 0 && v01.owner_refused >= o.owner_refused,
+          "0.1 layout: registrations %llu open_segments %llu", (unsigned long long)v01.registrations,
+          (unsigned long long)v01.open_segments);
 }
 
 /* ---- 7. a paused or killed initiator in another process ----------------- */
-
-/* The spawned initiator: opens the owner, says READY with its name, then
- * for each "WRITE rid off len seed" line writes that much of a pattern in
- * one synchronous call (1 MiB slices on 4 paths) and reports the task's
- * final state. */
-static int initiator_process(const char *owner_name, unsigned long long base) {
-    kvf_engine e = kvft_engine();
-    void *buf = NULL;
-    CHECK_OK(kvf_alloc_buffer(e, INIT_SIZE, NULL, &buf));
-    kvf_segment s = NULL;
-    CHECK_OK(kvf_open_segment(e, owner_name, 5000, &s));
-    char name[128];
-    kvft_name(e, name, sizeof name);
-    printf("READY %s\n", name);
-    fflush(stdout);
-    char line[256];
-    while (fgets(line, sizeof line, stdin) != NULL) {
-        unsigned long long rid, off, len;
-        unsigned seed;
-        if (sscanf(line, "WRITE %llu %llu %llu %u", &rid, &off, &len, &seed) == 4) {
-            kvft_fill(buf, len, seed);
-            kvf_request w = kvft_req(KVF_OP_WRITE, buf, s, base + off, len, rid);
-            kvf_task_status ts;
-            memset(&ts, 0, sizeof ts);
-            kvf_status st = kvf_transfer_sync(e, &w, 1, 20000, &ts);
-            printf("DONE %d %s\n", (int)st, kvf_task_state_str(ts.state));
-            fflush(stdout);
-        } else if (strncmp(line, "QUIT", 4) == 0) {
-            break;
-        }
-    }
-    CHECK_OK(kvf_close_segment(s));
-    CHECK_OK(kvf_engine_destroy(e));
-    return 0;
-}
-
-static pid_t child_pid;
-static FILE *to_child, *from_child;
-
-/* A failing check exits: the child must not outlive us (stopped, it would
- * hold ctest's output pipe open until the test times out). */
-static void kill_child(void) {
-    if (child_pid > 0) kill(child_pid, SIGKILL);
-}
-
-/* Sends sig and waits until the kernel reports the child stopped,
- * continued or killed: kill() returns before that. */
-static void signal_child(int sig) {
-    CHECK(kill(child_pid, sig) == 0, "kill: %s", strerror(errno));
-    int status = 0;
-    int flags = sig == SIGSTOP ? WUNTRACED : sig == SIGCONT ? WCONTINUED : 0;
-    pid_t got = waitpid(child_pid, &status, flags);
-    CHECK(got == child_pid, "waitpid: %s", strerror(errno));
-    if (sig == SIGSTOP)
-        CHECK(WIFSTOPPED(status), "child status %#x after SIGSTOP", status);
-    else if (sig == SIGCONT)
-        CHECK(WIFCONTINUED(status), "child status %#x after SIGCONT", status);
-    else {
-        CHECK(WIFSIGNALED(status) && WTERMSIG(status) == sig, "child status %#x after signal %d", status, sig);
-        child_pid = 0;
-    }
-}
-
-static void spawn_child(const char *self, char *child_name, size_t cap) {
-    int in[2], out[2];
-    CHECK(pipe(in) == 0 && pipe(out) == 0, "pipe: %s", strerror(errno));
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
-    posix_spawn_file_actions_addclose(&fa, in[1]);
-    posix_spawn_file_actions_addclose(&fa, out[0]);
-    char base[32];
-    snprintf(base, sizeof base, "%llu", (unsigned long long)obase);
-    char *args[] = {(char *)self, (char *)"--initiator", oname, base, NULL};
-    int rc = posix_spawn(&child_pid, "/proc/self/exe", &fa, NULL, args, environ);
-    CHECK(rc == 0, "posix_spawn: %s", strerror(rc));
-    posix_spawn_file_actions_destroy(&fa);
-    close(in[0]);
-    close(out[1]);
-    to_child = fdopen(in[1], "w");
-    from_child = fdopen(out[0], "r");
-    char line[256], fmt[32];
-    CHECK(fgets(line, sizeof line, from_child) != NULL, "child did not start");
-    snprintf(fmt, sizeof fmt, "READY %%%zus", cap - 1);
-    CHECK(sscanf(line, fmt, child_name) == 1, "child said %s", line);
-}
 
 /* One pause: the child writes a big request into the owner's slot; once
  * some of it landed, the child is stopped, the owner aborts (safe by its
@@ -585,22 +452,16 @@ static int paused_round(const char *child_name, uint64_t rid, int then_kill) {
     const size_t slot = 0, len = OWNER_SIZE;
     const uint32_t old_seed = 300 + (uint32_t)rid, new_seed = 400 + (uint32_t)rid;
     memset(omem + slot, 0, len);
-    kvf_stats s0 = stats_of(owner);
-    fprintf(to_child, "WRITE %llu %zu %zu %u\n", (unsigned long long)rid, slot, len, old_seed);
-    fflush(to_child);
-    double deadline = now_ms() + 10000;
-    while (stats_of(owner).owner_bytes_in - s0.owner_bytes_in < MiB)
-        CHECK(now_ms() < deadline, "no MiB of the child's WRITE landed in 10 s");
-    signal_child(SIGSTOP);
-    uint64_t landed = stats_of(owner).owner_bytes_in - s0.owner_bytes_in;
+    kvf_stats s0 = kvft_stats(owner);
+    uint64_t landed = kvft_child_write_then_stop(rid, slot, len, old_seed, s0.owner_bytes_in);
 
     const char *names[1] = {child_name};
     kvf_abort_result ar;
     memset(&ar, 0, sizeof ar);
     ar.struct_size = sizeof ar;
-    double t0 = now_ms();
+    double t0 = kvft_now_ms();
     kvf_status st = kvf_abort(owner, rid, names, 1, 2000, &ar);
-    double took = now_ms() - t0;
+    double took = kvft_now_ms() - t0;
     CHECK(st == KVF_OK && ar.safe == 1, "abort with the initiator stopped: %s (%s) after %.0f ms",
           kvf_status_str(st), kvf_last_error(), took);
     /* The deadline bound of the contract, with room for a loaded machine. */
@@ -610,23 +471,22 @@ static int paused_round(const char *child_name, uint64_t rid, int then_kill) {
 
     int caught = 0;
     if (then_kill) {
-        signal_child(SIGKILL);
+        kvft_signal_child(SIGKILL);
     } else {
-        signal_child(SIGCONT);
-        char line[128];
-        CHECK(fgets(line, sizeof line, from_child) != NULL, "child went away");
-        int code = -1;
+        kvft_signal_child(SIGCONT);
+        int code = -1, task_error = -1;
         char state[32] = "";
-        CHECK(sscanf(line, "DONE %d %31s", &code, state) == 2, "child said %s", line);
+        kvft_child_done(&code, state, &task_error);
         caught = code == KVF_ERR_ABORTED && strcmp(state, "ABORTED") == 0;
-        CHECK(caught || (code == KVF_OK && strcmp(state, "COMPLETED") == 0), "child's WRITE: %s", line);
+        CHECK(caught || (code == KVF_OK && strcmp(state, "COMPLETED") == 0), "child's WRITE: status %d (%s), %s",
+              code, kvf_status_str(code), state);
     }
     /* Give anything still on its way time to (wrongly) land. */
     usleep(100 * 1000);
     long bad = kvft_verify(omem + slot, len, new_seed);
     CHECK(bad < 0, "%s: the reused slot was overwritten at %ld after a safe abort", then_kill ? "SIGKILL" : "SIGCONT",
           bad);
-    kvf_stats s1 = stats_of(owner);
+    kvf_stats s1 = kvft_stats(owner);
     fprintf(stderr,
             "%s: %llu of %zu bytes landed at the stop; abort took %.1f ms; owner refused %llu (%llu in flight)%s\n",
             then_kill ? "SIGKILL" : "SIGSTOP/SIGCONT", (unsigned long long)landed, len, took,
@@ -638,45 +498,33 @@ static int paused_round(const char *child_name, uint64_t rid, int then_kill) {
 
 static void test_paused_initiator(const char *self) {
     char child_name[128];
-    spawn_child(self, child_name, sizeof child_name);
-    atexit(kill_child);
+    kvft_spawn_initiator(self, "--initiator", child_name, sizeof child_name);
     int caught = 0;
     uint64_t rid = 5000;
     for (int i = 0; i < 5 && !caught; i++) caught = paused_round(child_name, rid++, 0);
     CHECK(caught, "the SIGSTOP never caught a WRITE in the middle in 5 tries");
     /* The child still works after its request was aborted. */
     memset(omem + 16 * MiB, 0, MiB);
-    fprintf(to_child, "WRITE %llu %u %u %u\n", (unsigned long long)rid, 16 * MiB, MiB, 77u);
-    fflush(to_child);
-    char line[128];
-    CHECK(fgets(line, sizeof line, from_child) != NULL, "child went away");
-    CHECK(strncmp(line, "DONE 0 COMPLETED", 16) == 0, "child's WRITE of a new request: %s", line);
+    kvft_child_write(rid, 16 * MiB, MiB, 77u);
+    int code = -1, task_error = -1;
+    char state[32] = "";
+    kvft_child_done(&code, state, &task_error);
+    CHECK(code == KVF_OK && strcmp(state, "COMPLETED") == 0, "child's WRITE of a new request: %d (%s), %s", code,
+          kvf_status_str(code), state);
     CHECK(kvft_verify(omem + 16 * MiB, MiB, 77) < 0, "child's new WRITE did not land");
     rid++;
 
     /* SIGKILL: the child dies holding the request. */
     paused_round(child_name, rid++, 1);
-    fclose(to_child);
-    fclose(from_child);
+    kvft_close_child();
 }
 
 int main(int argc, char **argv) {
     if (argc == 4 && strcmp(argv[1], "--initiator") == 0)
-        return initiator_process(argv[2], strtoull(argv[3], NULL, 10));
+        return kvft_initiator_process(argv[2], strtoull(argv[3], NULL, 10));
 
-    double t0 = now_ms();
-    owner = kvft_engine();
-    init = kvft_engine();
-    kvft_name(owner, oname, sizeof oname);
-    kvft_name(init, iname, sizeof iname);
-    CHECK(posix_memalign((void **)&omem, 4096, OWNER_SIZE) == 0, "posix_memalign");
-    memset(omem, 0, OWNER_SIZE);
-    CHECK_OK(kvf_register_memory(owner, omem, OWNER_SIZE, NULL));
-    obase = (uint64_t)(uintptr_t)omem;
-    void *p = NULL;
-    CHECK_OK(kvf_alloc_buffer(init, INIT_SIZE, NULL, &p));
-    imem = (uint8_t *)p;
-    CHECK_OK(kvf_open_segment(init, oname, 5000, &seg));
+    double t0 = kvft_now_ms();
+    kvft_pair_open();
 
     test_abort_after_write();
     test_abort_no_initiator();
@@ -685,17 +533,14 @@ int main(int argc, char **argv) {
     test_notify();
     /* At least: 1 + 1 + 4 from test 1, 2 from test 2, 1 per in-flight round. */
     test_stats(1 + 1 + 4 + 2 + 1);
-    CHECK_OK(kvf_close_segment(seg));
-    CHECK_OK(kvf_engine_destroy(init));
+    kvft_pair_close_initiator();
 
     test_paused_initiator(argv[0]);
 
-    kvf_stats o = stats_of(owner);
+    kvf_stats o = kvft_stats(owner);
     CHECK(o.aborts_safe == (uint64_t)aborts_done, "owner aborts_safe %llu, want %d",
           (unsigned long long)o.aborts_safe, aborts_done);
-    CHECK_OK(kvf_unregister_memory(owner, omem));
-    CHECK_OK(kvf_engine_destroy(owner));
-    free(omem);
-    fprintf(stderr, "test_abort: %.0f ms\n", now_ms() - t0);
+    kvft_pair_close_owner();
+    fprintf(stderr, "test_abort: %.0f ms\n", kvft_now_ms() - t0);
     return kvft_done("test_abort");
 }

@@ -21,47 +21,9 @@
  * the slot at once, and after SIGCONT the slot keeps what the owner put
  * there while the writer's WRITE ends FAILED with KVF_ERR_FENCED. The
  * writer's next WRITE into the same pages completes. */
-#include <errno.h>
-#include <signal.h>
-#include <spawn.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/wait.h>
-#include <time.h>
-#include <unistd.h>
+#include "kvf_pair.h"
 
-#include "kvf_test.h"
-
-#define KiB 1024u
-#define MiB (1024u * 1024u)
-#define OWNER_SIZE (32 * MiB)
-#define INIT_SIZE (32 * MiB)
-
-extern char **environ;
-
-static kvf_engine owner, init;
-static char oname[128], iname[128];
-static uint8_t *omem; /* the owner's memory: the caller's own, registered */
-static uint8_t *imem; /* the initiator's: from kvf_alloc_buffer */
-static uint64_t obase;
-static kvf_segment seg; /* the owner, opened by the initiator */
 static int fences_done; /* kvf_fence_memory calls that returned safe */
-
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec * 1e3 + (double)t.tv_nsec / 1e6;
-}
-
-static kvf_stats stats_of(kvf_engine e) {
-    kvf_stats s;
-    memset(&s, 0, sizeof s);
-    s.struct_size = sizeof s;
-    CHECK_OK(kvf_engine_stats(e, &s));
-    return s;
-}
 
 /* A kvf_fence_result the library has not written: every byte 0xab but
  * struct_size. */
@@ -81,14 +43,14 @@ static int is_unwritten(const kvf_fence_result *r) {
 static kvf_fence_result fence_safe(const uint64_t *addrs, const uint64_t *lens, size_t n, int timeout_ms,
                                    uint64_t epoch) {
     kvf_fence_result r = unwritten();
-    double t0 = now_ms();
+    double t0 = kvft_now_ms();
     CHECK_OK(kvf_fence_memory(owner, addrs, lens, n, timeout_ms, &r));
     CHECK(r.safe == 1, "fence of %zu ranges not safe", n);
     CHECK(r.epoch == epoch, "fence epoch %llu, want %llu", (unsigned long long)r.epoch, (unsigned long long)epoch);
     CHECK(r.peers_acked <= r.peers_told, "%u peers acked, %u told", r.peers_acked, r.peers_told);
     CHECK(r.peers_cut == 0, "%u rdma initiators cut over tcp", r.peers_cut);
     CHECK(r.reserved == 0, "reserved %#x", r.reserved);
-    CHECK(now_ms() - t0 < timeout_ms + 1000.0, "fence took %.0f ms with a %d ms deadline", now_ms() - t0,
+    CHECK(kvft_now_ms() - t0 < timeout_ms + 1000.0, "fence took %.0f ms with a %d ms deadline", kvft_now_ms() - t0,
           timeout_ms);
     fences_done++;
     return r;
@@ -98,10 +60,10 @@ static kvf_fence_result fence_safe(const uint64_t *addrs, const uint64_t *lens, 
  * a peer acknowledges a notice only after it applied it, so from then on
  * its transfers are planned under the new epoch. */
 static void wait_fence_acks(uint64_t acks, const char *what) {
-    double deadline = now_ms() + 10000;
-    while (stats_of(owner).fence_acks < acks) {
-        CHECK(now_ms() < deadline, "%s: the owner counted %llu fence acknowledgements in 10 s, want %llu", what,
-              (unsigned long long)stats_of(owner).fence_acks, (unsigned long long)acks);
+    double deadline = kvft_now_ms() + 10000;
+    while (kvft_stats(owner).fence_acks < acks) {
+        CHECK(kvft_now_ms() < deadline, "%s: the owner counted %llu fence acknowledgements in 10 s, want %llu", what,
+              (unsigned long long)kvft_stats(owner).fence_acks, (unsigned long long)acks);
         usleep(1000); /* a poll interval, not a wait for an event */
     }
 }
@@ -162,7 +124,7 @@ static void test_args(void) {
 
     /* Nothing was fenced: the initiator still writes there, and the epoch
      * is still 0. */
-    kvf_stats s = stats_of(owner);
+    kvf_stats s = kvft_stats(owner);
     CHECK(s.fence_epoch == 0 && s.fences_safe == 0 && s.fences_not_safe == 0,
           "after argument errors: epoch %llu, %llu safe, %llu not safe", (unsigned long long)s.fence_epoch,
           (unsigned long long)s.fences_safe, (unsigned long long)s.fences_not_safe);
@@ -195,11 +157,11 @@ static void test_fence_then_reuse(void) {
     kvf_fence_result r = fence_safe(addrs, lens, 2, 5000, 1);
     /* The initiator fetched our descriptor: it may plan transfers to us. */
     CHECK(r.peers_told >= 1, "fence told %u peers; the initiator fetched our descriptor", r.peers_told);
-    kvf_stats s = stats_of(owner);
+    kvf_stats s = kvft_stats(owner);
     CHECK(s.fences_safe == 1 && s.fence_epoch == 1, "owner: %llu safe fences, epoch %llu",
           (unsigned long long)s.fences_safe, (unsigned long long)s.fence_epoch);
     wait_fence_acks(1, "first fence");
-    CHECK(stats_of(init).fences_received >= 1, "the initiator received no fence notice");
+    CHECK(kvft_stats(init).fences_received >= 1, "the initiator received no fence notice");
 
     /* The pages go to the next request: its WRITE, planned after the fence,
      * lands; a READ of them too. */
@@ -211,8 +173,8 @@ static void test_fence_then_reuse(void) {
     memset(imem + 4 * MiB, 0, len);
     CHECK_OK(xfer(KVF_OP_READ, 4 * MiB, 0, len, &ts));
     CHECK(kvft_verify(imem + 4 * MiB, len, 12) < 0, "READ of the fenced pages after the fence");
-    CHECK(stats_of(owner).fence_refused == 0, "the owner refused %llu accesses planned after the fence",
-          (unsigned long long)stats_of(owner).fence_refused);
+    CHECK(kvft_stats(owner).fence_refused == 0, "the owner refused %llu accesses planned after the fence",
+          (unsigned long long)kvft_stats(owner).fence_refused);
 
     /* Fences stack: the next one takes the next epoch. */
     fence_safe(addrs, lens, 1, 5000, 2);
@@ -251,7 +213,7 @@ static void test_max_ranges(void) {
 /* ---- 4. counters --------------------------------------------------------- */
 
 static void test_stats(void) {
-    kvf_stats o = stats_of(owner), i = stats_of(init);
+    kvf_stats o = kvft_stats(owner), i = kvft_stats(init);
     CHECK(o.fences_safe == (uint64_t)fences_done && o.fences_not_safe == 0, "owner: %llu safe, %llu not; want %d",
           (unsigned long long)o.fences_safe, (unsigned long long)o.fences_not_safe, fences_done);
     CHECK(o.fence_epoch == (uint64_t)fences_done, "owner epoch %llu, want %d", (unsigned long long)o.fence_epoch,
@@ -265,111 +227,11 @@ static void test_stats(void) {
 
     /* A program built against 0.3 passes the smaller size: the bytes past
      * it are not touched. */
-    const size_t old = offsetof(kvf_stats, fences_safe);
-    union {
-        kvf_stats s;
-        uint8_t b[sizeof(kvf_stats)];
-    } u;
-    memset(&u, 0xab, sizeof u);
-    u.s.struct_size = (uint32_t)old;
-    CHECK_OK(kvf_engine_stats(owner, &u.s));
-    CHECK(u.s.registrations == 1, "0.3 layout: registrations %llu", (unsigned long long)u.s.registrations);
-    for (size_t k = old; k < sizeof u; k++) CHECK(u.b[k] == 0xab, "byte %zu past the 0.3 layout was written", k);
+    kvf_stats v03 = kvft_stats_sized(owner, offsetof(kvf_stats, fences_safe), "0.3");
+    CHECK(v03.registrations == 1, "0.3 layout: registrations %llu", (unsigned long long)v03.registrations);
 }
 
 /* ---- 5. a paused writer in another process ------------------------------ */
-
-/* The spawned writer: opens the owner, says READY with its name, then for
- * each "WRITE off len seed" line writes that much of a pattern with request
- * id 0 in one synchronous call and reports the status and task state. */
-static int writer_process(const char *owner_name, unsigned long long base) {
-    kvf_engine e = kvft_engine();
-    void *buf = NULL;
-    CHECK_OK(kvf_alloc_buffer(e, INIT_SIZE, NULL, &buf));
-    kvf_segment s = NULL;
-    CHECK_OK(kvf_open_segment(e, owner_name, 5000, &s));
-    char name[128];
-    kvft_name(e, name, sizeof name);
-    printf("READY %s\n", name);
-    fflush(stdout);
-    char line[256];
-    while (fgets(line, sizeof line, stdin) != NULL) {
-        unsigned long long off, len;
-        unsigned seed;
-        if (sscanf(line, "WRITE %llu %llu %u", &off, &len, &seed) == 3) {
-            kvft_fill(buf, len, seed);
-            kvf_request w = kvft_req(KVF_OP_WRITE, buf, s, base + off, len, 0);
-            kvf_task_status ts;
-            memset(&ts, 0, sizeof ts);
-            kvf_status st = kvf_transfer_sync(e, &w, 1, 20000, &ts);
-            printf("DONE %d %s %d\n", (int)st, kvf_task_state_str(ts.state), (int)ts.error);
-            fflush(stdout);
-        } else if (strncmp(line, "QUIT", 4) == 0) {
-            break;
-        }
-    }
-    CHECK_OK(kvf_close_segment(s));
-    CHECK_OK(kvf_engine_destroy(e));
-    return 0;
-}
-
-static pid_t child_pid;
-static FILE *to_child, *from_child;
-
-/* A failing check exits: the child must not outlive us. */
-static void kill_child(void) {
-    if (child_pid > 0) kill(child_pid, SIGKILL);
-}
-
-/* Sends SIGSTOP or SIGCONT and waits until the kernel reports the child
- * stopped or continued: kill() returns before that. */
-static void signal_child(int sig) {
-    CHECK(kill(child_pid, sig) == 0, "kill: %s", strerror(errno));
-    int status = 0;
-    pid_t got = waitpid(child_pid, &status, sig == SIGSTOP ? WUNTRACED : WCONTINUED);
-    CHECK(got == child_pid, "waitpid: %s", strerror(errno));
-    if (sig == SIGSTOP)
-        CHECK(WIFSTOPPED(status), "child status %#x after SIGSTOP", status);
-    else
-        CHECK(WIFCONTINUED(status), "child status %#x after SIGCONT", status);
-}
-
-static void spawn_child(const char *self, char *child_name, size_t cap) {
-    int in[2], out[2];
-    CHECK(pipe(in) == 0 && pipe(out) == 0, "pipe: %s", strerror(errno));
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
-    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
-    posix_spawn_file_actions_addclose(&fa, in[1]);
-    posix_spawn_file_actions_addclose(&fa, out[0]);
-    char base[32];
-    snprintf(base, sizeof base, "%llu", (unsigned long long)obase);
-    char *args[] = {(char *)self, (char *)"--writer", oname, base, NULL};
-    int rc = posix_spawn(&child_pid, "/proc/self/exe", &fa, NULL, args, environ);
-    CHECK(rc == 0, "posix_spawn: %s", strerror(rc));
-    posix_spawn_file_actions_destroy(&fa);
-    close(in[0]);
-    close(out[1]);
-    to_child = fdopen(in[1], "w");
-    from_child = fdopen(out[0], "r");
-    char line[256], fmt[32];
-    CHECK(fgets(line, sizeof line, from_child) != NULL, "child did not start");
-    snprintf(fmt, sizeof fmt, "READY %%%zus", cap - 1);
-    CHECK(sscanf(line, fmt, child_name) == 1, "child said %s", line);
-}
-
-/* Sends one WRITE to the child; child_done reads its reply. */
-static void child_write(size_t off, size_t len, uint32_t seed) {
-    fprintf(to_child, "WRITE %zu %zu %u\n", off, len, seed);
-    fflush(to_child);
-}
-
-static void child_done(int *code, char *state, int *task_error) {
-    char line[128];
-    CHECK(fgets(line, sizeof line, from_child) != NULL, "child went away");
-    CHECK(sscanf(line, "DONE %d %31s %d", code, state, task_error) == 3, "child said %s", line);
-}
 
 /* One round: the child writes the whole slot with request id 0; once some
  * of it landed the child is stopped, the owner fences the slot (safe by its
@@ -382,28 +244,23 @@ static int paused_round(int round, uint64_t *acks) {
     const size_t slot = 0, len = OWNER_SIZE;
     const uint32_t old_seed = 300 + (uint32_t)round, new_seed = 400 + (uint32_t)round;
     memset(omem + slot, 0, len);
-    kvf_stats s0 = stats_of(owner);
-    child_write(slot, len, old_seed);
-    double deadline = now_ms() + 10000;
-    while (stats_of(owner).owner_bytes_in - s0.owner_bytes_in < MiB)
-        CHECK(now_ms() < deadline, "round %d: no MiB of the child's WRITE landed in 10 s", round);
-    signal_child(SIGSTOP);
-    uint64_t landed = stats_of(owner).owner_bytes_in - s0.owner_bytes_in;
+    kvf_stats s0 = kvft_stats(owner);
+    uint64_t landed = kvft_child_write_then_stop(0, slot, len, old_seed, s0.owner_bytes_in);
 
     /* The deadline is long so that the notice is still resent, and its
      * acknowledgement counted, when the child runs again. */
     uint64_t addr = obase + slot, n = len;
-    double t0 = now_ms();
+    double t0 = kvft_now_ms();
     kvf_fence_result r = fence_safe(&addr, &n, 1, 10000, (uint64_t)fences_done + 1);
-    double took = now_ms() - t0;
+    double took = kvft_now_ms() - t0;
     CHECK(r.peers_told >= 1, "round %d: the fence told nobody; the child fetched our descriptor", round);
     CHECK(r.peers_acked == 0, "round %d: %u peers acknowledged; the only live one is stopped", round, r.peers_acked);
     kvft_fill(omem + slot, len, new_seed); /* reuse at once */
 
-    signal_child(SIGCONT);
+    kvft_signal_child(SIGCONT);
     int code = -1, task_error = -1;
     char state[32] = "";
-    child_done(&code, state, &task_error);
+    kvft_child_done(&code, state, &task_error);
     int caught = code == KVF_ERR_FENCED && strcmp(state, "FAILED") == 0 && task_error == KVF_ERR_FENCED;
     CHECK(caught || (code == KVF_OK && strcmp(state, "COMPLETED") == 0),
           "round %d: child's WRITE: status %d (%s), %s, task error %d", round, code, kvf_status_str(code), state,
@@ -414,80 +271,65 @@ static int paused_round(int round, uint64_t *acks) {
      * transfers are planned under the new epoch. */
     *acks += 1;
     wait_fence_acks(*acks, "the continued child");
-    kvf_stats s1 = stats_of(owner);
+    kvf_stats s1 = kvft_stats(owner);
     fprintf(stderr, "round %d: %llu of %zu bytes landed at the stop; fence took %.1f ms, told %u; "
                     "owner refused %llu as fenced; WRITE %s\n",
             round, (unsigned long long)landed, len, took, r.peers_told,
             (unsigned long long)(s1.fence_refused - s0.fence_refused), caught ? "FENCED" : "had COMPLETED");
-    if (caught)
-        CHECK(s1.fence_refused > s0.fence_refused, "round %d: a fenced WRITE, but the owner counted no refusal",
-              round);
+    if (caught && s1.fence_refused == s0.fence_refused) {
+        /* FENCED without a refusal: the child's connection broke while it
+         * was stopped (its write deadline passed), and on resuming it
+         * learned of the fence before posting the slices again, so it
+         * voided them itself. Safe, but the owner's guard was not the one
+         * that stopped the WRITE: this round does not count. */
+        fprintf(stderr, "round %d: the child voided its own WRITE; trying again\n", round);
+        return 0;
+    }
     return caught;
 }
 
 static void test_paused_writer(const char *self) {
     char child_name[128];
-    spawn_child(self, child_name, sizeof child_name);
-    atexit(kill_child);
-    uint64_t acks = stats_of(owner).fence_acks;
+    kvft_spawn_initiator(self, "--writer", child_name, sizeof child_name);
+    uint64_t acks = kvft_stats(owner).fence_acks;
     int caught = 0;
     for (int round = 0; round < 5 && !caught; round++) caught = paused_round(round, &acks);
     CHECK(caught, "the SIGSTOP never caught a WRITE in the middle in 5 tries");
 
     /* The next request into the same pages, planned after the fence, lands. */
     memset(omem, 0, 2 * MiB);
-    child_write(MiB, MiB, 77u);
+    kvft_child_write(0, MiB, MiB, 77u);
     int code = -1, task_error = -1;
     char state[32] = "";
-    child_done(&code, state, &task_error);
+    kvft_child_done(&code, state, &task_error);
     CHECK(code == KVF_OK && strcmp(state, "COMPLETED") == 0, "child's next WRITE: %d (%s), %s", code,
           kvf_status_str(code), state);
     CHECK(kvft_verify(omem + MiB, MiB, 77) < 0, "child's next WRITE did not land");
     for (size_t i = 0; i < MiB; i++) CHECK(omem[i] == 0, "byte %zu before the child's next WRITE changed", i);
 
-    fprintf(to_child, "QUIT\n");
-    fflush(to_child);
-    int status = 0;
-    CHECK(waitpid(child_pid, &status, 0) == child_pid, "waitpid: %s", strerror(errno));
-    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child exit status %#x", status);
-    child_pid = 0;
-    fclose(to_child);
-    fclose(from_child);
+    kvft_quit_child();
+    kvft_close_child();
 }
 
 int main(int argc, char **argv) {
     if (argc == 4 && strcmp(argv[1], "--writer") == 0)
-        return writer_process(argv[2], strtoull(argv[3], NULL, 10));
+        return kvft_initiator_process(argv[2], strtoull(argv[3], NULL, 10));
 
-    double t0 = now_ms();
-    owner = kvft_engine();
-    init = kvft_engine();
-    kvft_name(owner, oname, sizeof oname);
-    kvft_name(init, iname, sizeof iname);
-    CHECK(posix_memalign((void **)&omem, 4096, OWNER_SIZE) == 0, "posix_memalign");
-    memset(omem, 0, OWNER_SIZE);
-    CHECK_OK(kvf_register_memory(owner, omem, OWNER_SIZE, NULL));
-    obase = (uint64_t)(uintptr_t)omem;
-    void *p = NULL;
-    CHECK_OK(kvf_alloc_buffer(init, INIT_SIZE, NULL, &p));
-    imem = (uint8_t *)p;
-    CHECK_OK(kvf_open_segment(init, oname, 5000, &seg));
+    double t0 = kvft_now_ms();
+    kvft_pair_open();
 
     test_args();
     test_fence_then_reuse();
     test_max_ranges();
     test_stats();
-    CHECK_OK(kvf_close_segment(seg));
-    CHECK_OK(kvf_engine_destroy(init));
+    kvft_pair_close_initiator();
 
     test_paused_writer(argv[0]);
 
-    kvf_stats o = stats_of(owner);
+    kvf_stats o = kvft_stats(owner);
     CHECK(o.fences_safe == (uint64_t)fences_done, "owner fences_safe %llu, want %d",
           (unsigned long long)o.fences_safe, fences_done);
-    CHECK_OK(kvf_unregister_memory(owner, omem));
-    CHECK_OK(kvf_engine_destroy(owner));
-    free(omem);
-    fprintf(stderr, "test_fence: %.0f ms\n", now_ms() - t0);
+    kvft_pair_close_owner();
+    fprintf(stderr, "test_fence: %.0f ms\n", kvft_now_ms() - t0);
     return kvft_done("test_fence");
 }

@@ -81,10 +81,11 @@ static void *racer(void *arg) {
             break;
         case KVF_ERR_HANDLE: r->handle++; break;
         case KVF_ERR_INTERNAL:
-            /* Known engine bug (report of issue 3): a cancel racing a submit
-             * (here: destroy) can leave a task PENDING in a returned
-             * transfer; engine/batch.go post() overwrites the final state.
-             * The C layer names it; anything else internal is a failure. */
+            /* A known engine bug: a cancel racing a submit (here: destroy)
+             * can leave a task PENDING in a returned transfer, its final
+             * state overwritten. kvf_transfer_sync names it "engine bug
+             * (task not final)"; it is counted and reported, and anything
+             * else internal is a failure. */
             if (strstr(kvf_last_error(), "engine bug (task not final)") != NULL) {
                 r->known_bug++;
                 break;

@@ -4,8 +4,8 @@
 // executor thread in the process that owns the destination QP copies the
 // bytes (process_vm_readv/writev), chunk by chunk, after checking its own
 // memory registrations. That makes the two properties kvferry's safety
-// contract relies on testable (SAFETY.md, "How each transport keeps
-// promise 1"): the owner can fence by moving its responder QP to ERR, and
+// contract relies on testable (docs/SAFETY.md, "How each transport keeps
+// promises 1 and 7"): the owner can fence by moving its responder QP to ERR, and
 // ibv_dereg_mr returns only when no byte moves to or from the range any
 // more. It also means a WRITE posted by a process that is then stopped still
 // lands, as with a real NIC. See README.md in this directory.

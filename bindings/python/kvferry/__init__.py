@@ -15,6 +15,7 @@ through Engine's keyword arguments instead.
 """
 
 from ._lib import KvferryError, LibraryNotFound
+from . import engine
 from ._memory import address_of
 from .engine import (
     AbortedError,
@@ -61,13 +62,6 @@ from .engine import (
 
 __version__ = "0.4.0"
 
-__all__ = [
-    "AbortResult", "AbortedError", "Batch", "BatchFullError", "Buffer", "BusyError", "CanceledError",
-    "ConnectionBrokenError", "Engine", "EngineClosedError", "Event", "EventType", "FenceResult", "FencedError",
-    "ForkError", "HandleError",
-    "InternalError", "InvalidArgumentError", "KvferryError", "LibraryNotFound", "MemoryInUseError", "NoMemoryError",
-    "NotRegisteredError", "Op", "OverlapError", "ProtocolError", "RefusedError", "RemoteRangeError", "Request",
-    "Segment", "StaleKeyError", "Stats", "TaskState", "TaskStatus", "TimedOutError", "TransferFailedError",
-    "TruncatedError", "UnknownStatusError", "UnreachableError", "UnsupportedError", "__version__",
-    "address_of", "error_for", "library_version",
-]
+# The public names: engine's, and the three defined elsewhere in the package.
+__all__ = ["LibraryNotFound", "__version__", "address_of"]
+__all__ += engine.__all__

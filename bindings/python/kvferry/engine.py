@@ -1365,6 +1365,16 @@ def _close_segment(pid: int, handle: int) -> None:
         _lib.lib().kvf_close_segment(handle)
 
 
+def _handle_of(engine: "Engine", h: Optional[int], gone: str) -> int:
+    """The handle h of something engine made (a segment, a batch): raises
+    EngineClosedError when the engine is closed (the clearer message, so it
+    is checked first), else HandleError with message gone when h is None."""
+    engine._handle()
+    if h is None:
+        raise HandleError(_lib.ERR_HANDLE, gone)
+    return h
+
+
 class Segment:
     """An open peer (or the engine itself), from :meth:`Engine.open_segment`.
 
@@ -1393,11 +1403,7 @@ class Segment:
         return self._h is None or self._engine.closed
 
     def _handle(self) -> int:
-        self._engine._handle()  # EngineClosedError first: the clearer message
-        h = self._h
-        if h is None:
-            raise HandleError(_lib.ERR_HANDLE, f"kvferry.Segment {self._name}: the segment is closed")
-        return h
+        return _handle_of(self._engine, self._h, f"kvferry.Segment {self._name}: the segment is closed")
 
     @property
     def handle(self) -> int:
@@ -1521,11 +1527,7 @@ class Batch:
         return self._h is None or self._engine.closed
 
     def _handle(self) -> int:
-        self._engine._handle()
-        h = self._h
-        if h is None:
-            raise HandleError(_lib.ERR_HANDLE, "kvferry.Batch: the batch was freed")
-        return h
+        return _handle_of(self._engine, self._h, "kvferry.Batch: the batch was freed")
 
     def _submit(self, reqs: Any, n: int) -> range:
         lib = _L()

@@ -13,36 +13,22 @@ loaded behind the wheel's back). Exits non-zero on any failure.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
+
+import _smoke_common
+from _smoke_common import installed_package, mapped_libraries
 
 SIZE = 4 << 20
 
 
 def fail(msg: str) -> None:
-    print(f"wheel_compat_smoke: FAIL: {msg}", file=sys.stderr)
-    sys.exit(1)
-
-
-def mapped_libraries() -> list:
-    paths = set()
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(None, 5)
-            if len(parts) == 6 and ".so" in parts[5]:
-                paths.add(parts[5].strip())
-    return sorted(paths)
+    _smoke_common.fail("wheel_compat_smoke", msg)
 
 
 def main() -> None:
-    if "KVFERRY_LIBRARY" in os.environ:
-        fail("KVFERRY_LIBRARY is set: the wheel's own library would not be the one tested")
+    pkg = installed_package("wheel_compat_smoke")
     import kvferry
     from kvferry import Engine
-
-    pkg = Path(kvferry.__file__).resolve().parent
-    if "site-packages" not in str(pkg):
-        fail(f"kvferry imported from {pkg}, not from an installed package")
 
     payload = os.urandom(SIZE)
     with Engine() as owner, Engine() as peer:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 from pathlib import Path
-from typing import List
+
+import _smoke_common
+from _smoke_common import installed_package, mapped_libraries
 
 # include/kvferry.h: KVF_OP_WRITE = 1. Spelled out here rather than taken from
 # kvferry._lib, so that this check depends on the header's ABI alone.
@@ -23,30 +24,14 @@ KVF_OP_WRITE = 1
 
 
 def fail(msg: str) -> None:
-    print(f"wheel_smoke: FAIL: {msg}", file=sys.stderr)
-    sys.exit(1)
-
-
-def mapped_libraries() -> List[str]:
-    """Paths of the shared objects mapped into this process."""
-    paths = set()
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(None, 5)
-            if len(parts) == 6 and ".so" in parts[5]:
-                paths.add(parts[5].strip())
-    return sorted(paths)
+    _smoke_common.fail("wheel_smoke", msg)
 
 
 def main() -> None:
-    if "KVFERRY_LIBRARY" in os.environ:
-        fail("KVFERRY_LIBRARY is set: the wheel's own library would not be the one tested")
+    pkg = installed_package("wheel_smoke")
     from kvferry import _lib
 
-    pkg = Path(_lib.__file__).resolve().parent
     libs_dir = pkg.parent / "kvferry.libs"
-    if "site-packages" not in str(pkg):
-        fail(f"kvferry imported from {pkg}, not from an installed package")
     L = _lib.lib()
     lib_path = Path(L._name).resolve()
     if lib_path.parent != pkg:

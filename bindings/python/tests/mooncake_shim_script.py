@@ -37,7 +37,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 HOST = "127.0.0.1"
 LAYERS = 8
@@ -177,12 +177,7 @@ def _abort_then_fill(engine: Any, rid: int, initiators: List[str], timeout: floa
                      byte: int) -> Tuple[int, float]:
     """Owner side of the PD abort: aborts rid, and when it is safe reuses the
     slots at once (fills them). Returns (abort's return, seconds it took)."""
-    t = time.perf_counter()
-    ret = engine.abort(rid, initiators, timeout)
-    took = time.perf_counter() - t
-    if ret == 0:
-        ctypes.memset(addr, byte, n)
-    return ret, took
+    return _timed_then_fill(lambda: engine.abort(rid, initiators, timeout), addr, n, byte)
 
 
 def _fence_then_fill(engine: Any, addrs: List[int], lengths: List[int], timeout: float, addr: int, n: int,
@@ -190,8 +185,14 @@ def _fence_then_fill(engine: Any, addrs: List[int], lengths: List[int], timeout:
     """Owner side of a fence by memory range (kvferry only): fences the
     ranges, and when it is safe reuses [addr, +n) at once (fills it).
     Returns (fence_memory's return, seconds it took)."""
+    return _timed_then_fill(lambda: engine.fence_memory(addrs, lengths, timeout), addr, n, byte)
+
+
+def _timed_then_fill(call: Callable[[], int], addr: int, n: int, byte: int) -> Tuple[int, float]:
+    """Runs call (an abort or a fence) and, when it returned 0 (safe), fills
+    [addr, +n) with byte at once. Returns (call's return, seconds it took)."""
     t = time.perf_counter()
-    ret = engine.fence_memory(addrs, lengths, timeout)
+    ret = call()
     took = time.perf_counter() - t
     if ret == 0:
         ctypes.memset(addr, byte, n)

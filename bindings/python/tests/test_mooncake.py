@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import mooncake_shim_script as script  # noqa: E402
-from _helpers import wait_until  # noqa: E402
+from _helpers import pattern, wait_until  # noqa: E402
 from kvferry import _lib  # noqa: E402
 from kvferry.mooncake import TransferEngine, TransferOpcode, _mc_timeout_seconds  # noqa: E402
 
@@ -44,10 +44,6 @@ def buf(size: int, fill: bytes = b"") -> Tuple[ctypes.Array, int]:
     if fill:
         ctypes.memmove(b, (fill * (size // len(fill) + 1))[:size], size)
     return b, ctypes.addressof(b)
-
-
-def pattern(seed: int, size: int) -> bytes:
-    return random.Random(seed).randbytes(size)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +65,17 @@ def engine() -> Iterator[TransferEngine]:
 def remote(peer: script.Peer) -> int:
     """A 4 MiB registered buffer in the peer."""
     return peer("alloc", 4 * MiB)
+
+
+def write_fresh_mib(engine: TransferEngine, peer: script.Peer, local: int, slots: int, seed: int,
+                    **kw: int) -> None:
+    """WRITEs a fresh MiB (pattern of seed) from local + 5 MiB to the peer's
+    slots, checks that it landed, then clears the source."""
+    fresh = pattern(seed, MiB)
+    ctypes.memmove(local + 5 * MiB, fresh, MiB)
+    assert engine.transfer_sync_write(peer.session, local + 5 * MiB, slots, MiB, **kw) == 0, engine.last_error()
+    assert peer("get", slots, MiB) == fresh
+    ctypes.memset(local + 5 * MiB, 0x5A, MiB)
 
 
 # ---------------------------------------------------------------- data paths
@@ -327,11 +334,7 @@ def test_pd_abort_mid_transfer_then_reuse(engine: TransferEngine, peer: script.P
             assert engine.transfer_sync_write(peer.session, local, slots, 4096, request_id=rid) == -1
             assert engine.last_error()[0] == _lib.ERR_ABORTED
             assert peer("count_not", slots, size, 0xAB) == 0
-            fresh = pattern(rid, MiB)
-            ctypes.memmove(local + 5 * MiB, fresh, MiB)
-            assert engine.transfer_sync_write(peer.session, local + 5 * MiB, slots, MiB, request_id=rid + 100) == 0
-            assert peer("get", slots, MiB) == fresh
-            ctypes.memset(local + 5 * MiB, 0x5A, MiB)
+            write_fresh_mib(engine, peer, local, slots, rid, request_id=rid + 100)
             if caught:
                 break
         assert caught >= 1, "no abort landed while the transfer was in flight in 3 attempts"
@@ -412,12 +415,8 @@ def test_pd_fence_mid_transfer_then_reuse(engine: TransferEngine, peer: script.P
             assert peer("count_not", slots, size, 0xAB) == 0
             # The next request's write, planned after the fence, lands.
             wait_until(lambda: peer("stats")["fence_acks"] > acks, 10, "prefill acknowledged the fence")
-            fresh = pattern(attempt, MiB)
-            ctypes.memmove(local + 5 * MiB, fresh, MiB)
-            assert engine.transfer_sync_write(peer.session, local + 5 * MiB, slots, MiB) == 0, engine.last_error()
-            assert peer("get", slots, MiB) == fresh
+            write_fresh_mib(engine, peer, local, slots, attempt)
             assert peer("count_not", slots + MiB, size - MiB, 0xAB) == 0
-            ctypes.memset(local + 5 * MiB, 0x5A, MiB)
             if caught:
                 break
         assert caught >= 1, "no fence struck while the transfer was in flight in 3 attempts"

@@ -14,7 +14,7 @@ import (
 )
 
 // ChunkSize is how many bytes are copied under one guard. Small enough that
-// an unregistration (later an abort) waits for at most one chunk, big enough
+// an unregistration, an Abort or a Fence waits for at most one chunk, big enough
 // that the guard costs nothing next to the copy.
 const ChunkSize = 1 << 20
 

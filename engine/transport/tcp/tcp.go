@@ -5,8 +5,8 @@
 // A WRITE completes at the initiator only after the owner answered that its
 // bytes were applied, so COMPLETED means landed. The owner copies bytes with
 // non-blocking syscalls and holds its memory guard only around each one, so a
-// peer stopped mid-frame never stalls an unregistration (and, later, an
-// abort). See the frame layout in wire.go.
+// peer stopped mid-frame never stalls an unregistration, an Abort or a
+// Fence. See the frame layout in wire.go.
 package tcp
 
 import (
@@ -23,6 +23,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvferry/kvferry/engine/transport"
+	"github.com/kvferry/kvferry/internal/defaults"
 	"github.com/kvferry/kvferry/internal/ratelog"
 )
 
@@ -95,30 +96,14 @@ func (o *Options) fill() {
 	if o.ListenHost == "" {
 		o.ListenHost = "127.0.0.1"
 	}
-	if o.IOTimeout <= 0 {
-		o.IOTimeout = 30 * time.Second
-	}
-	if o.HandshakeTimeout <= 0 {
-		o.HandshakeTimeout = 5 * time.Second
-	}
-	if o.UserTimeout <= 0 {
-		o.UserTimeout = 10 * time.Second
-	}
-	if o.MaxConnsPerPeer <= 0 {
-		o.MaxConnsPerPeer = DefaultMaxConnsPerPeer
-	}
-	if o.MaxConns <= 0 {
-		o.MaxConns = DefaultMaxConns
-	}
-	if o.IdleTimeout <= 0 {
-		o.IdleTimeout = DefaultIdleTimeout
-	}
-	if o.FrameTimeout <= 0 {
-		o.FrameTimeout = DefaultFrameTimeout
-	}
-	if o.MinRate <= 0 {
-		o.MinRate = DefaultMinRate
-	}
+	defaults.Fill(&o.IOTimeout, 30*time.Second)
+	defaults.Fill(&o.HandshakeTimeout, 5*time.Second)
+	defaults.Fill(&o.UserTimeout, 10*time.Second)
+	defaults.Fill(&o.MaxConnsPerPeer, DefaultMaxConnsPerPeer)
+	defaults.Fill(&o.MaxConns, DefaultMaxConns)
+	defaults.Fill(&o.IdleTimeout, DefaultIdleTimeout)
+	defaults.Fill(&o.FrameTimeout, DefaultFrameTimeout)
+	defaults.Fill(&o.MinRate, DefaultMinRate)
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}

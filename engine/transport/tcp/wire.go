@@ -149,23 +149,30 @@ func (h *header) decode(b []byte) error {
 	return nil
 }
 
+// statusErrs pairs each refusal status with the error it stands for, in
+// the order statusOf tests them; statusOf and errOf both read it, so the
+// two directions cannot disagree.
+var statusErrs = []struct {
+	status uint32
+	err    error
+}{
+	{statusAborted, transport.ErrAborted},
+	{statusFenced, transport.ErrFenced},
+	{statusStaleKey, memory.ErrStaleKey},
+	{statusOutOfBounds, memory.ErrOutOfBounds},
+	{statusUnregistered, memory.ErrUnregistered},
+	{statusBadRequest, memory.ErrInvalidRange},
+}
+
 // statusOf maps an owner-side admission error to its wire status.
 func statusOf(err error) uint32 {
-	switch {
-	case err == nil:
+	if err == nil {
 		return statusOK
-	case errors.Is(err, transport.ErrAborted):
-		return statusAborted
-	case errors.Is(err, transport.ErrFenced):
-		return statusFenced
-	case errors.Is(err, memory.ErrStaleKey):
-		return statusStaleKey
-	case errors.Is(err, memory.ErrOutOfBounds):
-		return statusOutOfBounds
-	case errors.Is(err, memory.ErrUnregistered):
-		return statusUnregistered
-	case errors.Is(err, memory.ErrInvalidRange):
-		return statusBadRequest
+	}
+	for _, se := range statusErrs {
+		if errors.Is(err, se.err) {
+			return se.status
+		}
 	}
 	return statusRefused
 }
@@ -173,21 +180,13 @@ func statusOf(err error) uint32 {
 // errOf maps a wire status back to an error matchable with errors.Is, both
 // as a refusal and as the registry's reason.
 func errOf(st uint32) error {
-	switch st {
-	case statusOK:
+	if st == statusOK {
 		return nil
-	case statusStaleKey:
-		return fmt.Errorf("%w: %w", transport.ErrRefused, memory.ErrStaleKey)
-	case statusOutOfBounds:
-		return fmt.Errorf("%w: %w", transport.ErrRefused, memory.ErrOutOfBounds)
-	case statusUnregistered:
-		return fmt.Errorf("%w: %w", transport.ErrRefused, memory.ErrUnregistered)
-	case statusBadRequest:
-		return fmt.Errorf("%w: %w", transport.ErrRefused, memory.ErrInvalidRange)
-	case statusAborted:
-		return fmt.Errorf("%w: %w", transport.ErrRefused, transport.ErrAborted)
-	case statusFenced:
-		return fmt.Errorf("%w: %w", transport.ErrRefused, transport.ErrFenced)
+	}
+	for _, se := range statusErrs {
+		if se.status == st {
+			return fmt.Errorf("%w: %w", transport.ErrRefused, se.err)
+		}
 	}
 	return transport.ErrRefused
 }

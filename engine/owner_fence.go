@@ -119,16 +119,23 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 	// handed out before the new epoch reach the whole registration. After
 	// the cut, an initiator's work reaches us only on QPs connected later,
 	// with rkeys admitted under the epoch just published.
-	if e.rdma != nil {
-		if inits := e.rdma.Initiators(); len(inits) > 0 && !e.rdma.FenceEnabled() {
-			reason = fmt.Errorf("rdma initiators %v may hold rkeys and the rdma fence is off (KVFERRY_RDMA_FENCE=0): %w", inits, ErrUnsupported)
-		} else {
-			for _, name := range inits {
-				if err := e.rdma.Fence(ctx, name); err != nil && reason == nil {
-					reason = fmt.Errorf("rdma fence of %s: %w", name, err)
-				}
-				res.Cut = append(res.Cut, name)
+	for _, a := range e.servers() {
+		if a.initiators == nil {
+			continue
+		}
+		inits := a.initiators.Initiators()
+		f := a.fence()
+		if len(inits) > 0 && f == nil {
+			if reason == nil {
+				reason = fmt.Errorf("%s initiators %v may hold rkeys and the %s fence is off (KVFERRY_RDMA_FENCE=0): %w", a.t.Name(), inits, a.t.Name(), ErrUnsupported)
 			}
+			continue
+		}
+		for _, name := range inits {
+			if err := f.Fence(ctx, name); err != nil && reason == nil {
+				reason = fmt.Errorf("%s fence of %s: %w", a.t.Name(), name, err)
+			}
+			res.Cut = append(res.Cut, name)
 		}
 	}
 
@@ -200,13 +207,7 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 			case <-ctx.Done():
 				break wait
 			case <-resend.C:
-				pf.mu.Lock()
-				left := make([]string, 0, len(pf.wait))
-				for n := range pf.wait {
-					left = append(left, n)
-				}
-				pf.mu.Unlock()
-				for _, n := range left {
+				for _, n := range awaited(&pf.mu, pf.wait) {
 					_ = e.plane.SendIfConnected(n, control.MsgFence, msg)
 				}
 				interval = min(2*interval, abortResendMax)
@@ -220,13 +221,10 @@ func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, e
 	res.Acked = append([]string(nil), pf.acked...)
 	pf.mu.Unlock()
 	if reason != nil {
-		res.Reason = fmt.Errorf("fence of %d ranges: not safe: %w", len(ranges), reason)
-		e.stats.fencesNotSafe.Add(1)
-		e.log.Warn("kvferry: fence not safe", "epoch", ep, "err", res.Reason)
-		return res, nil
+		reason = fmt.Errorf("fence of %d ranges: not safe: %w", len(ranges), reason)
 	}
-	res.Safe = true
-	e.stats.fencesSafe.Add(1)
+	res.Reason = e.countSafe(&e.stats.fencesSafe, &e.stats.fencesNotSafe, "fence", reason, "epoch", ep)
+	res.Safe = res.Reason == nil
 	return res, nil
 }
 
@@ -372,79 +370,5 @@ func (e *Engine) handleFenceAck(from string, body []byte) (control.MsgType, []by
 	return 0, nil
 }
 
-// ---- initiator side --------------------------------------------------------
-
-// handleFence takes an owner's FENCE (on the plane's loop, so it must not
-// block): every segment open to that owner learns the fence, so transfers
-// planned from now on carry its epoch and a transfer planned before that
-// touches the ranges is never posted again (see task.recheck); then it
-// acknowledges. The owner's own checks refuse those transfers whatever we
-// do, so nothing here is needed for safety; it makes the next request's
-// transfers pass, and cuts our rdma paths to the owner at once (the owner
-// moved their QPs to the error state) instead of waiting for the NIC's
-// retry timeout to find out.
-func (e *Engine) handleFence(from string, body []byte) (control.MsgType, []byte) {
-	m, err := control.DecodeFenceMsg(body)
-	if err != nil {
-		e.controlMalformed("FENCE", from, err)
-		return 0, nil
-	}
-	e.stats.fencesReceived.Add(1)
-	owner := e.abortOwner(from)
-	segs := e.segmentsKnownAs(owner)
-	rs := make([]fence.Range, len(m.Ranges))
-	for i, r := range m.Ranges {
-		rs[i] = fence.Range{Addr: r.Addr, Len: r.Len}
-	}
-	// Sorted here, not under abortMu, which every Submit takes.
-	notice := []fence.Fenced{{Epoch: m.Epoch, Ranges: fence.Normalize(rs)}}
-	var rdmaSegs []*Segment
-	// Exclusive: a Submit stamps its tasks under abortMu shared, so each
-	// is stamped either before the fence (and void where it touches the
-	// ranges) or with its epoch.
-	e.abortMu.Lock()
-	for _, seg := range segs {
-		if seg.fences.ApplyNormalized(m.Floor, notice) && seg.protocol() == "rdma" {
-			rdmaSegs = append(rdmaSegs, seg)
-		}
-	}
-	e.abortMu.Unlock()
-	if len(rdmaSegs) > 0 && e.startBackground() {
-		go func() {
-			defer e.bg.Done()
-			for _, seg := range rdmaSegs {
-				seg.cutPaths(fmt.Errorf("%w: %w", transport.ErrConnection, errFenceCut))
-			}
-		}()
-	}
-	_ = e.plane.SendIfConnected(from, control.MsgFenceAck, control.FenceAck{Epoch: m.Epoch}.Encode())
-	return 0, nil
-}
-
 // FenceEpoch implements transport.FenceEpocher: the epoch of the last fence.
 func (e *Engine) FenceEpoch() uint64 { return e.fences.Epoch() }
-
-// errFenceCut marks the slices of rdma paths we cut because their owner
-// fenced memory and cut its side: they are posted again on new paths
-// without spending a retry (see sliceDone), since no path failed; at most
-// maxFenceReposts times, so an owner fencing without end cannot keep a
-// transfer going for ever.
-var errFenceCut = errors.New("the owner fenced memory and cut our QPs")
-
-// maxFenceReposts bounds the posts again of one slice after fence cuts.
-const maxFenceReposts = 64
-
-// fenceVoid reports whether the task was planned before a fence, known to
-// us, of a range it touches.
-func (t *task) fenceVoid() bool {
-	seg := t.req.Segment
-	if seg.self {
-		return seg.e.fences.Check(t.epoch, t.req.Remote, t.req.Length) != nil
-	}
-	return seg.fences.Void(t.epoch, t.req.Remote, t.req.Length)
-}
-
-// isFenceRefusal reports whether err is an owner's fence refusal.
-func isFenceRefusal(err error) bool {
-	return errors.Is(err, ErrRefused) && errors.Is(err, ErrFenced)
-}

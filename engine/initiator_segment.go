@@ -2,7 +2,6 @@ package engine
 
 import (
 	"context"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -95,37 +94,6 @@ type Segment struct {
 	// fencedStale: a transfer was refused as fenced; the next Submit asks
 	// the owner its epoch first (fenceResync).
 	fencedStale atomic.Bool
-}
-
-// learnFenceEpoch takes the owner's fence epoch from a PONG body (8 bytes;
-// an older engine sends none).
-func (s *Segment) learnFenceEpoch(body []byte) {
-	if len(body) == 8 {
-		s.fences.Learn(binary.LittleEndian.Uint64(body))
-	}
-}
-
-// fenceResync asks the owner its fence epoch when a transfer of ours was
-// refused as fenced: we missed its notice, or hold an epoch it never issued
-// (an earlier incarnation's, or a forged notice's). Its answer is fresh, so
-// an epoch below ours means ours is not its own: what we know starts
-// afresh from its answer. Bounded by ctx and 2 s; on failure the next
-// refusal asks again.
-func (s *Segment) fenceResync(ctx context.Context) {
-	if !s.fencedStale.Swap(false) {
-		return
-	}
-	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-	defer cancel()
-	typ, body, err := s.e.plane.Request(pctx, s.name, control.MsgPing, nil)
-	if err != nil || typ != control.MsgPong || len(body) != 8 {
-		s.fencedStale.Store(true)
-		return
-	}
-	if ep := binary.LittleEndian.Uint64(body); ep < s.fences.Epoch() {
-		s.fences.Reset()
-	}
-	s.learnFenceEpoch(body)
 }
 
 // protocol returns the transport chosen at the last descriptor fetch.

@@ -1,6 +1,7 @@
-"""Regressions of a review that looked for ways to crash the interpreter from
-Python. Each case runs in a child interpreter (a crash there fails the test
-instead of killing pytest) with a deadline, and must exit cleanly."""
+"""Misuses from Python that must never crash the interpreter: huge lengths,
+use after close or free, races with free, a fork. Each case runs in a child
+interpreter (a crash there fails the test instead of killing pytest) with a
+deadline, and must exit cleanly."""
 
 from __future__ import annotations
 
