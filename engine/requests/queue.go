@@ -9,6 +9,22 @@ import (
 	"github.com/kvferry/kvferry/engine/internal/bounded"
 )
 
+// ageQueue is the age queue's type: request ids, oldest first, and their
+// states.
+type ageQueue = bounded.Set[uint64, *state]
+
+// newAgeQueue returns the table's empty age queue: MaxTombstones entries,
+// trimmed to the trim mark, aging out after TombstoneTTL, forget deciding
+// what may go.
+func (t *Table) newAgeQueue() *ageQueue {
+	return bounded.New(bounded.Options[uint64, *state]{
+		Cap:    t.opts.MaxTombstones,
+		Trim:   t.trimMark(),
+		TTL:    t.opts.TombstoneTTL,
+		Policy: t.forget,
+	})
+}
+
 // queueLocked puts st at the young end of the age queue, moving it if it
 // is queued already: a request id is queued once, however often it is
 // renewed. Past MaxTombstones the queue forgets down to the trim mark:

@@ -20,7 +20,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvferry/kvferry/engine/internal/bounded"
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/transport"
 )
@@ -135,7 +134,7 @@ type Table struct {
 	// live grant, each once, oldest first by the time they were last
 	// aborted or revoked. Its policy (forget) takes a shard's lock.
 	queueMu sync.Mutex
-	age     *bounded.Set[uint64, *state]
+	age     *ageQueue
 
 	tombs, evicted, forced atomic.Int64
 }
@@ -155,12 +154,7 @@ func New(opts Options) *Table {
 		opts.MaxRanges = 1 << 20
 	}
 	t := &Table{opts: opts, grants: map[uint64]*Grant{}}
-	t.age = bounded.New(bounded.Options[uint64, *state]{
-		Cap:    opts.MaxTombstones,
-		Trim:   t.trimMark(),
-		TTL:    opts.TombstoneTTL,
-		Policy: t.forget,
-	})
+	t.age = t.newAgeQueue()
 	for i := range t.shards {
 		t.shards[i].m = map[uint64]*state{}
 	}
