@@ -34,18 +34,15 @@ func testRegion(t *testing.T, n int) (*memory.Registry, *memory.Region) {
 // hang here. It ends r's life, so call it last.
 func requireUnpinned(t *testing.T, reg *memory.Registry, r *memory.Region) {
 	t.Helper()
-	done := make(chan error, 1)
+	var err error
+	done := make(chan struct{})
 	go func() {
-		_, err := reg.Unregister([]uint64{r.Addr})
-		done <- err
+		defer close(done)
+		_, err = reg.Unregister([]uint64{r.Addr})
 	}()
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatalf("Unregister: %v", err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("Unregister did not return: a guard left the region pinned (Enter without Leave)")
+	closesSoon(t, "Unregister did not return: a guard left the region pinned (Enter without Leave)", done)
+	if err != nil {
+		t.Fatalf("Unregister: %v", err)
 	}
 }
 

@@ -28,25 +28,30 @@ type wrCtx struct {
 // completes what was posted, and the work moves to another path.
 func (t *Transport) watchdog() {
 	defer t.wg.Done()
-	every := min(max(t.opts.CompletionTimeout/4, 10*time.Millisecond), time.Second)
-	tick := time.NewTicker(every)
+	tick := time.NewTicker(min(max(t.opts.CompletionTimeout/4, 10*time.Millisecond), time.Second))
 	defer tick.Stop()
 	for {
 		select {
+		case <-tick.C:
+			t.breakStalledPaths()
 		case <-t.closed:
 			return
-		case <-tick.C:
 		}
-		t.opMu.Lock()
-		eps := make([]*Endpoint, 0, len(t.eps))
-		for e := range t.eps {
-			eps = append(eps, e)
-		}
-		t.opMu.Unlock()
-		now := time.Now()
-		for _, e := range eps {
-			e.breakStalled(now, t.opts.CompletionTimeout)
-		}
+	}
+}
+
+// breakStalledPaths breaks, on every live endpoint, the paths whose work
+// requests stopped completing for longer than CompletionTimeout.
+func (t *Transport) breakStalledPaths() {
+	t.opMu.Lock()
+	eps := make([]*Endpoint, 0, len(t.eps))
+	for e := range t.eps {
+		eps = append(eps, e)
+	}
+	t.opMu.Unlock()
+	now := time.Now()
+	for _, e := range eps {
+		e.breakStalled(now, t.opts.CompletionTimeout)
 	}
 }
 

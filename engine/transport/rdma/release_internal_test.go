@@ -113,12 +113,11 @@ func (env *releaseEnv) write(local *memory.Region, lmem []byte, remote *memory.R
 
 func waitUntil(t *testing.T, d time.Duration, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
+	// Polling a condition, not synchronizing: the sleep only paces it.
+	for deadline := time.Now().Add(d); !cond(); time.Sleep(5 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("timed out after %v waiting for %s", d, what)
 		}
-		time.Sleep(5 * time.Millisecond) // polling a condition, not synchronizing
 	}
 }
 
