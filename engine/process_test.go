@@ -1,14 +1,12 @@
 package engine_test
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
 	"runtime"
 	"strconv"
 	"strings"
@@ -20,6 +18,7 @@ import (
 	"github.com/kvferry/kvferry/cuda"
 	"github.com/kvferry/kvferry/engine"
 	"github.com/kvferry/kvferry/engine/transport"
+	"github.com/kvferry/kvferry/internal/childproc"
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
@@ -137,7 +136,7 @@ func runHelper(mode string) int {
 					fmt.Printf("progress %d\n", n)
 					return
 				}
-				time.Sleep(200 * time.Microsecond)
+				time.Sleep(200 * time.Microsecond) // polls the counters: the engine signals no byte count
 			}
 		}()
 	}
@@ -157,10 +156,10 @@ func runHelper(mode string) int {
 
 // target is a running target process.
 type target struct {
-	cmd   *exec.Cmd
-	lines chan string // stdout lines after the first
-	name  string      // its segment name
-	addr  uint64      // its buffer's address
+	proc  *childproc.Proc
+	lines <-chan string // stdout lines after the first
+	name  string        // its segment name
+	addr  uint64        // its buffer's address
 	size  int
 }
 
@@ -173,79 +172,37 @@ type targetConfig struct {
 }
 
 // startTarget runs the target process and waits for its segment line. It is
-// stopped (stdin closed, killed if it lingers) when the test ends.
+// stopped (resumed if paused, stdin closed, killed if it lingers) when the
+// test ends.
 func startTarget(t *testing.T, cfg targetConfig) *target {
 	t.Helper()
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(exe, "-test.run=^$")
-	cmd.Env = append(os.Environ(), helperEnv+"=target", sizeEnv+"="+strconv.Itoa(cfg.size))
+	env := []string{helperEnv + "=target", sizeEnv + "=" + strconv.Itoa(cfg.size)}
 	if cfg.seed != 0 {
-		cmd.Env = append(cmd.Env, seedEnv+"="+strconv.FormatUint(cfg.seed, 10))
+		env = append(env, seedEnv+"="+strconv.FormatUint(cfg.seed, 10))
 	}
 	if cfg.progress != 0 {
-		cmd.Env = append(cmd.Env, progressEnv+"="+strconv.FormatUint(cfg.progress, 10))
+		env = append(env, progressEnv+"="+strconv.FormatUint(cfg.progress, 10))
 	}
 	if cfg.cuda != "" {
-		cmd.Env = append(cmd.Env, cudaEnv+"="+cfg.cuda)
+		env = append(env, cudaEnv+"="+cfg.cuda)
 	}
 	if cfg.rdma != "" {
-		cmd.Env = append(cmd.Env, rdmaEnv+"="+cfg.rdma)
+		env = append(env, rdmaEnv+"="+cfg.rdma)
 	}
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
+	proc := childproc.Start(t, childproc.Config{Name: "target", Env: env})
+	tp := &target{proc: proc, lines: proc.Lines(), size: cfg.size}
+	l := proc.First(t, 60*time.Second)
+	f := strings.Fields(l)
+	if len(f) != 3 {
+		t.Fatalf("target said %q", l)
 	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
+	tp.name = f[0]
+	var err error
+	if tp.addr, err = strconv.ParseUint(f[1], 10, 64); err != nil {
+		t.Fatalf("target said %q", l)
 	}
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start target: %v", err)
-	}
-	tp := &target{cmd: cmd, lines: make(chan string, 16), size: cfg.size}
-	readerDone := make(chan struct{})
-	go func() {
-		defer close(readerDone)
-		defer close(tp.lines)
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			tp.lines <- sc.Text()
-		}
-	}()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGCONT)
-		_ = stdin.Close()
-		select {
-		case <-readerDone:
-		case <-time.After(10 * time.Second):
-			t.Errorf("target %d did not exit within 10s of stdin closing; killing it", cmd.Process.Pid)
-			_ = cmd.Process.Kill()
-			<-readerDone
-		}
-		_ = cmd.Wait()
-	})
-	select {
-	case l, ok := <-tp.lines:
-		if !ok {
-			t.Fatal("target exited before naming its segment")
-		}
-		f := strings.Fields(l)
-		if len(f) != 3 {
-			t.Fatalf("target said %q", l)
-		}
-		tp.name = f[0]
-		if tp.addr, err = strconv.ParseUint(f[1], 10, 64); err != nil {
-			t.Fatalf("target said %q", l)
-		}
-		if n, err := strconv.Atoi(f[2]); err != nil || n != cfg.size {
-			t.Fatalf("target said %q", l)
-		}
-	case <-time.After(60 * time.Second):
-		t.Fatal("target did not name its segment within 60s")
+	if n, err := strconv.Atoi(f[2]); err != nil || n != cfg.size {
+		t.Fatalf("target said %q", l)
 	}
 	return tp
 }
@@ -253,23 +210,7 @@ func startTarget(t *testing.T, cfg targetConfig) *target {
 // signal sends sig to the target and, for SIGSTOP, waits until it is stopped.
 func (tp *target) signal(t *testing.T, sig syscall.Signal) {
 	t.Helper()
-	if err := tp.cmd.Process.Signal(sig); err != nil {
-		t.Fatalf("signal %v: %v", sig, err)
-	}
-	if sig != syscall.SIGSTOP {
-		return
-	}
-	stat := fmt.Sprintf("/proc/%d/stat", tp.cmd.Process.Pid)
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-		b, err := os.ReadFile(stat)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if i := bytes.LastIndexByte(b, ')'); i >= 0 && i+2 < len(b) && b[i+2] == 'T' {
-			return
-		}
-	}
-	t.Fatal("target did not stop within 5s")
+	tp.proc.Signal(t, sig)
 }
 
 // warmPaths moves one slice on each of the segment's paths, so they are all
@@ -569,13 +510,11 @@ func TestCloseAfterTimeoutAgainstStoppedPeerLeavesNothingRunning(t *testing.T) {
 	// Close promises nothing remains when it returns; allow a short settle
 	// for goroutines that are on their way out.
 	var g, f int
-	for end := time.Now().Add(time.Second); ; time.Sleep(20 * time.Millisecond) {
+	childproc.Poll(time.Second, 20*time.Millisecond, func() bool {
 		g = runtime.NumGoroutine()
 		f, _ = countFDs(t)
-		if (g <= g0 && f <= f0) || time.Now().After(end) {
-			break
-		}
-	}
+		return g <= g0 && f <= f0
+	})
 	if g > g0 {
 		buf := make([]byte, 1<<20)
 		buf = buf[:runtime.Stack(buf, true)]

@@ -2,12 +2,9 @@ package netfault
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"fmt"
-	"io"
 	"os"
-	"os/exec"
 	"runtime"
 	"slices"
 	"strconv"
@@ -18,6 +15,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/childproc"
 )
 
 // The peer process's configuration travels in these variables.
@@ -108,8 +106,8 @@ func runPeer() int {
 	if !ok {
 		return fail("own descriptor names no tcp transport")
 	}
-	out := &lineOut{w: bufio.NewWriter(os.Stdout)}
-	out.printf("peer %s %s %d %d", e.Name(), data, engine.AddrOf(buf), len(buf))
+	out := childproc.NewLineWriter(os.Stdout)
+	out.Printf("peer %s %s %d %d", e.Name(), data, engine.AddrOf(buf), len(buf))
 
 	pc := &peerCmds{e: e, buf: buf, segs: map[string]*engine.Segment{}}
 	in := bufio.NewScanner(os.Stdin)
@@ -122,7 +120,7 @@ func runPeer() int {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			out.printf("%s %s", f[0], pc.do(f[1], f[2:]))
+			out.Printf("%s %s", f[0], pc.do(f[1], f[2:]))
 		}()
 	}
 	wg.Wait()
@@ -134,19 +132,6 @@ func runPeer() int {
 		return fail("free: %v", err)
 	}
 	return 0
-}
-
-// lineOut writes whole lines to stdout from many goroutines.
-type lineOut struct {
-	mu sync.Mutex
-	w  *bufio.Writer
-}
-
-func (o *lineOut) printf(format string, args ...any) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	fmt.Fprintf(o.w, format+"\n", args...)
-	_ = o.w.Flush()
 }
 
 // peerCmds runs the peer's commands.
@@ -322,22 +307,16 @@ func (pc *peerCmds) do(verb string, a []string) string {
 // peer is a running peer process.
 type peer struct {
 	t    *testing.T
-	cmd  *exec.Cmd
+	proc *childproc.Proc
 	name string // its segment name
 	data string // its tcp data-plane address, from its own descriptor
 	addr uint64 // its buffer
 	size int
 
-	inMu  sync.Mutex
-	stdin io.WriteCloser
-
 	mu      sync.Mutex
 	nextID  int
 	waiters map[int]chan reply
 	strays  []string
-
-	exited chan struct{} // its stdout ended
-	waited bool
 }
 
 // reply is a peer's answer: its fields, and the quoted message that ends
@@ -352,84 +331,52 @@ type reply struct {
 // test ends, and killed if the test process dies first.
 func startPeer(t *testing.T, cfg peerConfig) *peer {
 	t.Helper()
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
+	p := &peer{t: t, size: cfg.size, waiters: map[int]chan reply{}}
+	p.proc = childproc.Start(t, childproc.Config{Name: "peer", Env: cfg.env(), KillWithParent: true, OnLine: p.dispatch})
+	l := p.proc.First(t, 60*time.Second)
+	f := strings.Fields(l)
+	if len(f) != 5 || f[0] != "peer" {
+		t.Fatalf("peer said %q first", l)
 	}
-	cmd := exec.Command(exe, "-test.run=^$")
-	cmd.Env = append(os.Environ(), cfg.env()...)
-	cmd.Stderr = os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
+	p.name, p.data = f[1], f[2]
+	var err error
+	if p.addr, err = strconv.ParseUint(f[3], 10, 64); err != nil {
+		t.Fatalf("peer said %q", l)
 	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start peer: %v", err)
-	}
-	p := &peer{t: t, cmd: cmd, size: cfg.size, stdin: stdin, waiters: map[int]chan reply{}, exited: make(chan struct{})}
-	first := make(chan string, 1)
-	go p.read(stdout, first)
-	t.Cleanup(p.stop)
-	select {
-	case l := <-first:
-		f := strings.Fields(l)
-		if len(f) != 5 || f[0] != "peer" {
-			t.Fatalf("peer said %q first", l)
-		}
-		p.name, p.data = f[1], f[2]
-		if p.addr, err = strconv.ParseUint(f[3], 10, 64); err != nil {
-			t.Fatalf("peer said %q", l)
-		}
-		if n, err := strconv.Atoi(f[4]); err != nil || n != cfg.size {
-			t.Fatalf("peer said %q", l)
-		}
-	case <-p.exited:
-		t.Fatal("peer exited before naming its segment")
-	case <-time.After(60 * time.Second):
-		t.Fatal("peer did not name its segment within 60s")
+	if n, err := strconv.Atoi(f[4]); err != nil || n != cfg.size {
+		t.Fatalf("peer said %q", l)
 	}
 	return p
 }
 
-// read dispatches the peer's lines to their commands' waiters.
-func (p *peer) read(stdout io.Reader, first chan<- string) {
-	defer close(p.exited)
-	sc := bufio.NewScanner(stdout)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for n := 0; sc.Scan(); n++ {
-		l := sc.Text()
-		if n == 0 {
-			first <- l
-			continue
+// exited is closed once the peer's stdout ended.
+func (p *peer) exited() <-chan struct{} { return p.proc.Exited() }
+
+// dispatch hands a line of the peer (after its first) to its command's
+// waiter.
+func (p *peer) dispatch(l string) {
+	head, msg := l, ""
+	if i := strings.IndexByte(l, '"'); i >= 0 {
+		head = l[:i]
+		var err error
+		if msg, err = strconv.Unquote(l[i:]); err != nil {
+			msg = l[i:]
 		}
-		head, msg := l, ""
-		if i := strings.IndexByte(l, '"'); i >= 0 {
-			head = l[:i]
-			var err error
-			if msg, err = strconv.Unquote(l[i:]); err != nil {
-				msg = l[i:]
-			}
-		}
-		f := strings.Fields(head)
-		id := -1
-		if len(f) > 0 {
-			id, _ = strconv.Atoi(f[0])
-		}
-		p.mu.Lock()
-		ch := p.waiters[id]
-		delete(p.waiters, id)
-		if ch == nil {
-			p.strays = append(p.strays, l)
-		}
-		p.mu.Unlock()
-		if ch != nil {
-			ch <- reply{f: f[1:], msg: msg}
-		}
+	}
+	f := strings.Fields(head)
+	id := -1
+	if len(f) > 0 {
+		id, _ = strconv.Atoi(f[0])
+	}
+	p.mu.Lock()
+	ch := p.waiters[id]
+	delete(p.waiters, id)
+	if ch == nil {
+		p.strays = append(p.strays, l)
+	}
+	p.mu.Unlock()
+	if ch != nil {
+		ch <- reply{f: f[1:], msg: msg}
 	}
 }
 
@@ -441,10 +388,7 @@ func (p *peer) async(format string, args ...any) <-chan reply {
 	id := p.nextID
 	p.waiters[id] = ch
 	p.mu.Unlock()
-	p.inMu.Lock()
-	_, err := fmt.Fprintf(p.stdin, "%d "+format+"\n", append([]any{id}, args...)...)
-	p.inMu.Unlock()
-	if err != nil {
+	if err := p.proc.Send(fmt.Sprintf("%d "+format, append([]any{id}, args...)...)); err != nil {
 		p.t.Errorf("write to peer: %v", err)
 	}
 	return ch
@@ -456,7 +400,7 @@ func (p *peer) await(ch <-chan reply, d time.Duration) (reply, bool) {
 	select {
 	case r := <-ch:
 		return r, true
-	case <-p.exited:
+	case <-p.exited():
 		select {
 		case r := <-ch:
 			return r, true
@@ -639,38 +583,13 @@ func (p *peer) ports() []int {
 // did before.
 func (p *peer) signal(sig syscall.Signal) {
 	p.t.Helper()
-	if err := p.cmd.Process.Signal(sig); err != nil {
-		p.t.Fatalf("signal %v: %v", sig, err)
-	}
-	if sig != syscall.SIGSTOP {
-		return
-	}
-	stat := fmt.Sprintf("/proc/%d/stat", p.cmd.Process.Pid)
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-		b, err := os.ReadFile(stat)
-		if err != nil {
-			p.t.Fatal(err)
-		}
-		if i := bytes.LastIndexByte(b, ')'); i >= 0 && i+2 < len(b) && b[i+2] == 'T' {
-			return
-		}
-	}
-	p.t.Fatal("peer did not stop within 5s")
+	p.proc.Signal(p.t, sig)
 }
 
 // finish closes the peer's stdin and waits for it to exit cleanly.
 func (p *peer) finish() {
 	p.t.Helper()
-	p.inMu.Lock()
-	_ = p.stdin.Close()
-	p.inMu.Unlock()
-	select {
-	case <-p.exited:
-	case <-time.After(30 * time.Second):
-		p.t.Fatal("peer still running 30s after its stdin closed")
-	}
-	p.waited = true
-	if err := p.cmd.Wait(); err != nil {
+	if err := p.proc.Finish(p.t, 30*time.Second); err != nil {
 		p.t.Errorf("peer exited: %v", err)
 	}
 	p.mu.Lock()
@@ -678,26 +597,6 @@ func (p *peer) finish() {
 	for _, s := range p.strays {
 		p.t.Errorf("peer said %q, which answered no command", s)
 	}
-}
-
-// stop ends the process if finish did not.
-func (p *peer) stop() {
-	if p.waited {
-		return
-	}
-	_ = p.cmd.Process.Signal(syscall.SIGCONT)
-	p.inMu.Lock()
-	_ = p.stdin.Close()
-	p.inMu.Unlock()
-	select {
-	case <-p.exited:
-	case <-time.After(10 * time.Second):
-		p.t.Errorf("peer %d did not exit within 10s of its stdin closing; killing it", p.cmd.Process.Pid)
-		_ = p.cmd.Process.Kill()
-		<-p.exited
-	}
-	p.waited = true
-	_ = p.cmd.Wait()
 }
 
 func nums(t *testing.T, f []string, n int) []uint64 {
@@ -806,14 +705,7 @@ func req(op engine.Op, local []byte, seg *engine.Segment, remote uint64) engine.
 // waitFor polls cond until it holds or d passed, and reports whether it
 // held.
 func waitFor(d time.Duration, cond func() bool) bool {
-	for end := time.Now().Add(d); ; time.Sleep(2 * time.Millisecond) {
-		if cond() {
-			return true
-		}
-		if time.Now().After(end) {
-			return false
-		}
-	}
+	return childproc.Poll(d, 2*time.Millisecond, cond)
 }
 
 // lateness keeps, per kind of call, the most a call returned past its
