@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/childproc"
 )
 
 // TestSIGSTOPPrefillAbortIsSafe: decode aborts a request while the prefill
@@ -113,25 +114,19 @@ func testSignalAbort(t *testing.T, sig syscall.Signal) {
 			t.Errorf("prefill: %d tasks in flight at the end", bye["inflight"])
 		}
 	case syscall.SIGKILL:
-		select {
-		case <-pp.readerDone:
-		case <-time.After(10 * time.Second):
-			t.Fatal("killed prefill still running 10s later")
-		}
+		_ = pp.waitKilled(t)
 		// The pause: decode drains what the dead prefill left in its
 		// socket (each frame refused after its 20 ms apply delay). Wait
 		// until its counters stood still for a dozen apply delays.
 		var last engine.Stats
 		still := time.Now()
-		for end := time.Now().Add(20 * time.Second); time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
+		childproc.Poll(20*time.Second, 5*time.Millisecond, func() bool {
 			st := d.Stats()
 			if st.OwnerBytesIn != last.OwnerBytesIn || st.OwnerRefused != last.OwnerRefused {
 				last, still = st, time.Now()
 			}
-			if time.Since(still) > 12*applyDelay {
-				break
-			}
-		}
+			return time.Since(still) > 12*applyDelay
+		})
 		st := d.Stats()
 		// Refusals are likely but not certain here, so they are only
 		// logged: the kill closes the prefill's socket, and its kernel
