@@ -197,11 +197,8 @@ func startTarget(t *testing.T, cfg targetConfig) *target {
 		t.Fatalf("target said %q", l)
 	}
 	tp.name = f[0]
-	var err error
-	if tp.addr, err = strconv.ParseUint(f[1], 10, 64); err != nil {
-		t.Fatalf("target said %q", l)
-	}
-	if n, err := strconv.Atoi(f[2]); err != nil || n != cfg.size {
+	var ok bool
+	if tp.addr, ok = childproc.ParseBuffer(f[1:], cfg.size); !ok {
 		t.Fatalf("target said %q", l)
 	}
 	return tp

@@ -15,6 +15,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"strconv"
 	"sync"
 	"syscall"
 	"testing"
@@ -282,6 +283,21 @@ func Poll(d, interval time.Duration, cond func() bool) bool {
 			return false
 		}
 	}
+}
+
+// ParseBuffer parses the "<address> <length>" fields with which a child
+// names its registered buffer, and reports whether they are two numbers
+// and the length is want.
+func ParseBuffer(fields []string, want int) (addr uint64, ok bool) {
+	if len(fields) != 2 {
+		return 0, false
+	}
+	addr, err := strconv.ParseUint(fields[0], 10, 64)
+	if err != nil {
+		return 0, false
+	}
+	n, err := strconv.Atoi(fields[1])
+	return addr, err == nil && n == want
 }
 
 // LineWriter writes whole lines to a child's stdout from many goroutines:

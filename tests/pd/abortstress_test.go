@@ -27,13 +27,16 @@ func runWithFramesInFlight(t *testing.T, cfg stressConfig, n int) *stressResult 
 	return runStress(t, cfg)
 }
 
-// unprotectedRace shapes the rows that run with the protection off: half
-// the requests are given up while written, up to 20 ms into their
-// flight, and 5 in 100 after they completed, so that late writes meet
-// reused slots often.
-func (c *stressConfig) unprotectedRace() {
-	c.during, c.after = 50, 5
-	c.duringMax = 20 * time.Millisecond
+// runUnprotected runs cfg with the protection off, half the requests
+// given up while written (up to 20 ms into their flight) and 5 in 100
+// after they completed, so that late writes meet reused slots often; the
+// run must find them (see requireLateWritesFound).
+func runUnprotected(t *testing.T, cfg stressConfig, whose, why string) {
+	t.Helper()
+	cfg.unsafe = true
+	cfg.during, cfg.after = 50, 5
+	cfg.duringMax = 20 * time.Millisecond
+	requireLateWritesFound(t, runStress(t, cfg), whose, why)
 }
 
 // requireLateWritesFound fails the test unless the run found the pattern
@@ -87,12 +90,9 @@ func TestPDStressProtected(t *testing.T) {
 func TestPDStressUnprotectedFindsCorruption(t *testing.T) {
 	cfg := baseStress()
 	cfg.requests = 300
-	cfg.unsafe = true
 	// A long pause per frame: when decode aborts, frames are certainly
 	// still on the wire, and land after the slots were reused.
 	cfg.applyDelay = 2 * time.Millisecond
 	cfg.before = 5
-	cfg.unprotectedRace()
-	r := runStress(t, cfg)
-	requireLateWritesFound(t, r, "aborted request's", "the unsafe abort should let late writes land")
+	runUnprotected(t, cfg, "aborted request's", "the unsafe abort should let late writes land")
 }

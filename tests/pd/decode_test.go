@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/childproc"
 )
 
 // Decode's side of the rows: its engine, and the leak checks it takes
@@ -73,4 +74,10 @@ func checkLeaks(t *testing.T, g0, f0 int) {
 	if g, f := settled(g0, f0, 3*time.Second); g > g0 || f > f0 {
 		t.Errorf("decode leaked: goroutines %d -> %d, file descriptors %d -> %d", g0, g, f0, f)
 	}
+}
+
+// waitUntil polls cond every interval until it holds or d has passed,
+// and reports whether it held: the rows wait on conditions, not on time.
+func waitUntil(d, interval time.Duration, cond func() bool) bool {
+	return childproc.Poll(d, interval, cond)
 }

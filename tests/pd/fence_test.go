@@ -18,16 +18,21 @@ import (
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
-// fenceStress is the tcp fence rows' shape: baseStress, with decode
-// fencing instead of aborting. No request is given up before the prefill
-// hears of it (a writer told of pages after their fence writes them: that
-// is the next request's normal flow).
-func fenceStress() stressConfig {
-	cfg := baseStress()
+// fencing makes a stress shape a fence row's: decode fences instead of
+// aborting. No request is given up before the prefill hears of it (a
+// writer told of pages after their fence writes them: that is the next
+// request's normal flow).
+func fencing(cfg stressConfig) stressConfig {
 	cfg.fence = true
 	cfg.before, cfg.during, cfg.after = 0, 25, 10
 	return cfg
 }
+
+// fenceStress is the tcp fence rows' shape.
+func fenceStress() stressConfig { return fencing(baseStress()) }
+
+// rdmaFenceStress is the rdma fence rows' shape.
+func rdmaFenceStress() stressConfig { return fencing(rdmaStress()) }
 
 // TestFenceStressUnprotectedFindsCorruption: SAFETY.md's row "tcp, Fence
 // of the pages, writer passes no request id, protection off". Fence reports
@@ -36,14 +41,11 @@ func fenceStress() stressConfig {
 // pattern in a reused slot, or the protected row proves nothing.
 func TestFenceStressUnprotectedFindsCorruption(t *testing.T) {
 	cfg := fenceStress()
-	cfg.unsafe = true
 	cfg.requests = 300
 	// A long pause per frame: when decode fences, frames are certainly
 	// still on the wire.
 	cfg.applyDelay = 2 * time.Millisecond
-	cfg.unprotectedRace()
-	r := runStress(t, cfg)
-	requireLateWritesFound(t, r, "given-up request's", "the unsafe fence should let late writes land")
+	runUnprotected(t, cfg, "given-up request's", "the unsafe fence should let late writes land")
 }
 
 // TestFenceStressIsSafe: SAFETY.md's row "tcp, Fence on". Decode fences
@@ -96,15 +98,6 @@ func TestFenceBeforeThePrefillPlannedLetsLaterLayersLand(t *testing.T) {
 	}
 }
 
-// rdmaFenceStress is the rdma fence rows' shape: rdmaStress, with decode
-// fencing instead of aborting.
-func rdmaFenceStress() stressConfig {
-	cfg := rdmaStress()
-	cfg.fence = true
-	cfg.before, cfg.during, cfg.after = 0, 25, 10
-	return cfg
-}
-
 // TestRDMAFenceStressUnprotectedFindsCorruption: SAFETY.md's row "fake
 // rdma, Fence of the pages, writer passes no request id, protection off".
 // Decode's NICs go on executing the WRITEs the prefill posted after Fence
@@ -112,13 +105,10 @@ func rdmaFenceStress() stressConfig {
 // slots.
 func TestRDMAFenceStressUnprotectedFindsCorruption(t *testing.T) {
 	cfg := rdmaFenceStress()
-	cfg.unsafe = true
 	// As TestRDMAStressACKOnHeardFindsCorruption: pages of 4 chunks, 1 ms
 	// apart, queued behind each other at decode's two NICs.
 	cfg.slowPages()
-	cfg.unprotectedRace()
-	r := runStress(t, cfg)
-	requireLateWritesFound(t, r, "given-up request's", "the unsafe fence should let posted WRITEs land")
+	runUnprotected(t, cfg, "given-up request's", "the unsafe fence should let posted WRITEs land")
 }
 
 // TestRDMAFenceStressIsSafe: SAFETY.md's row "fake rdma, Fence on". Each

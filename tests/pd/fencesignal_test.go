@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
-	"github.com/kvferry/kvferry/internal/childproc"
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
@@ -256,7 +255,7 @@ func testFenceStopped(t *testing.T, rdma bool) {
 	// Every fence is acknowledged once the prefill runs again (the notice
 	// waits on its connection, and the owner matches late ACKs of its last
 	// 1024 fences).
-	childproc.Poll(5*time.Second, 5*time.Millisecond, func() bool { return r.d.Stats().FenceAcks >= uint64(rounds) })
+	waitUntil(5*time.Second, 5*time.Millisecond, func() bool { return r.d.Stats().FenceAcks >= uint64(rounds) })
 	st := r.d.Stats()
 	t.Logf("decode: fences safe %d not safe %d, FENCE_ACKs %d (unmatched %d), refused %d (at admission as fenced %d, mid-frame %d), rdma fences %d",
 		st.FencesSafe, st.FencesNotSafe, st.FenceAcks, st.FenceAcksUnmatched, st.OwnerRefused, st.FenceRefused, st.RefusedInFlight, st.RDMAFences)

@@ -171,7 +171,7 @@ func warmUp(o engine.Options) error {
 // at most g0 and f0 (goroutines on their way out need a moment), and
 // returns the last counts.
 func settled(g0, f0 int, d time.Duration) (g, f int) {
-	childproc.Poll(d, 10*time.Millisecond, func() bool {
+	waitUntil(d, 10*time.Millisecond, func() bool {
 		g = runtime.NumGoroutine()
 		f, _, _ = processFDs()
 		return g <= g0 && f <= f0

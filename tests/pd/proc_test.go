@@ -6,7 +6,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -171,19 +170,4 @@ func (p *prefillProc) finish(t *testing.T, d time.Duration) map[string]int64 {
 		kv[k] = n
 	}
 	return kv
-}
-
-// signal sends sig to the prefill; for SIGSTOP it waits until the process
-// is stopped, so that nothing it does afterwards can be mistaken for what
-// it did before.
-func (p *prefillProc) signal(t *testing.T, sig syscall.Signal) {
-	t.Helper()
-	p.proc.Signal(t, sig)
-}
-
-// waitKilled waits up to 10 s for the prefill, sent SIGKILL, to be gone
-// and returns how it exited.
-func (p *prefillProc) waitKilled(t *testing.T) error {
-	t.Helper()
-	return p.proc.WaitKilled(t, 10*time.Second)
 }

@@ -17,7 +17,6 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
-	"github.com/kvferry/kvferry/internal/childproc"
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 	"github.com/kvferry/kvferry/internal/wordpattern"
 )
@@ -49,12 +48,9 @@ func rdmaStress() stressConfig {
 // in reused slots: the checks of the protected rows can fail.
 func TestRDMAStressACKOnHeardFindsCorruption(t *testing.T) {
 	cfg := rdmaStress()
-	cfg.unsafe = true
 	cfg.slowPages()
 	cfg.before = 5
-	cfg.unprotectedRace()
-	r := runStress(t, cfg)
-	requireLateWritesFound(t, r, "aborted request's", "ACK on heard should let posted WRITEs land")
+	runUnprotected(t, cfg, "aborted request's", "ACK on heard should let posted WRITEs land")
 }
 
 // TestRDMAStressOwnerFenceIsSafe: SAFETY.md's row "fake rdma, owner-side
@@ -216,7 +212,7 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 	atStop := landed()
 	// The hazard: decode's NICs go on placing what the stopped prefill
 	// posted.
-	if !childproc.Poll(2*time.Second, time.Millisecond, func() bool { return landed() != atStop }) {
+	if !waitUntil(2*time.Second, time.Millisecond, func() bool { return landed() != atStop }) {
 		t.Fatalf("nothing more landed in 2s after SIGSTOP (%d of %d bytes): the stopped prefill's WRITEs should go on landing", atStop, size)
 	}
 	atAbort := landed()
@@ -255,7 +251,7 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 		// The slot is not reused: that is the point. Its bytes show why:
 		// the stopped prefill's WRITEs go on landing after the abort.
 		notSafeAt := time.Now()
-		if !childproc.Poll(2*time.Second, time.Millisecond, func() bool { return landed() != afterAbort }) {
+		if !waitUntil(2*time.Second, time.Millisecond, func() bool { return landed() != afterAbort }) {
 			t.Errorf("nothing landed in the 2s after the NotSafe abort (%d of %d bytes): the row shows nothing", afterAbort, size)
 		} else {
 			t.Logf("the stopped prefill's WRITEs landed %d KiB more within %v of Abort returning NotSafe",
@@ -418,7 +414,7 @@ func TestRDMAFenceAbortLetsOtherRequestsComplete(t *testing.T) {
 	landedA := func() int { return landedBytes(slotA, holder{tag: ridA}, 0) }
 	landedB := func() int { return landedBytes(slotB, holder{tag: ridB}, 0) }
 	waitLanding := func(rid uint64, landed func() int) {
-		if !childproc.Poll(30*time.Second, 200*time.Microsecond, func() bool { return landed() != 0 }) {
+		if !waitUntil(30*time.Second, 200*time.Microsecond, func() bool { return landed() != 0 }) {
 			t.Fatalf("request %d did not begin to land within 30s", rid)
 		}
 	}
@@ -495,7 +491,7 @@ func TestRDMAFenceAbortLetsOtherRequestsComplete(t *testing.T) {
 	// The prefill acknowledges the abort (promise 2), and decode takes
 	// its ACK: the abort still waits for one (it resends ABORT until then).
 	// An ACK reached decode already (firstAck); wait for it to be taken.
-	childproc.Poll(2*time.Second, time.Millisecond, func() bool { return d.Stats().AbortAcks >= 1 })
+	waitUntil(2*time.Second, time.Millisecond, func() bool { return d.Stats().AbortAcks >= 1 })
 	st := d.Stats()
 	t.Logf("decode: fences %d (pending %d), ABORT_ACKs %d (unmatched %d), ABORTs resent %d", st.RDMAFences, st.RDMAFencesPending, st.AbortAcks, st.AcksUnmatched, st.AbortResends)
 	if st.AbortAcks != 1 {

@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
-	"github.com/kvferry/kvferry/internal/childproc"
 )
 
 // TestSIGSTOPPrefillAbortIsSafe: decode aborts a request while the prefill
@@ -120,7 +119,7 @@ func testSignalAbort(t *testing.T, sig syscall.Signal) {
 		// until its counters stood still for a dozen apply delays.
 		var last engine.Stats
 		still := time.Now()
-		childproc.Poll(20*time.Second, 5*time.Millisecond, func() bool {
+		waitUntil(20*time.Second, 5*time.Millisecond, func() bool {
 			st := d.Stats()
 			if st.OwnerBytesIn != last.OwnerBytesIn || st.OwnerRefused != last.OwnerRefused {
 				last, still = st, time.Now()
@@ -170,4 +169,19 @@ func sendProbe(t *testing.T, pp *prefillProc, tag uint64, probe []byte) {
 	if dmg := checkSlot(probe, holder{tag: tag}, 0, nil); dmg.bad != 0 {
 		t.Errorf("probe request %d landed wrong: %d bad bytes", tag, dmg.bad)
 	}
+}
+
+// signal sends sig to the prefill; for SIGSTOP it waits until the process
+// is stopped, so that nothing it does afterwards can be mistaken for what
+// it did before.
+func (p *prefillProc) signal(t *testing.T, sig syscall.Signal) {
+	t.Helper()
+	p.proc.Signal(t, sig)
+}
+
+// waitKilled waits up to 10 s for the prefill, sent SIGKILL, to be gone
+// and returns how it exited.
+func (p *prefillProc) waitKilled(t *testing.T) error {
+	t.Helper()
+	return p.proc.WaitKilled(t, 10*time.Second)
 }

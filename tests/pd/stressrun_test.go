@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
-	"github.com/kvferry/kvferry/internal/childproc"
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
@@ -268,7 +267,7 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 	// before it opened decode's segment at all: it then tells no one, and
 	// the counts below are not asserted.
 	checkFenceAcks := !cfg.fenceEarly
-	childproc.Poll(cfg.abortDeadline+time.Second, 5*time.Millisecond, func() bool {
+	waitUntil(cfg.abortDeadline+time.Second, 5*time.Millisecond, func() bool {
 		st := d.Stats()
 		return st.AbortAcks >= uint64(res.aborts) && (!checkFenceAcks || st.FenceAcks >= wantFenceAcks)
 	})
