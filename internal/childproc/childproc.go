@@ -300,6 +300,17 @@ func ParseBuffer(fields []string, want int) (addr uint64, ok bool) {
 	return addr, err == nil && n == want
 }
 
+// Receive waits up to d for a value on ch; ok is false when d passed
+// first or ch was closed.
+func Receive[T any](ch <-chan T, d time.Duration) (v T, ok bool) {
+	select {
+	case v, ok = <-ch:
+		return v, ok
+	case <-time.After(d):
+		return v, false
+	}
+}
+
 // LineWriter writes whole lines to a child's stdout from many goroutines:
 // each line reaches the parent in one piece and at once.
 type LineWriter struct {

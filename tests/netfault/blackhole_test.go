@@ -7,11 +7,12 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/childproc"
 )
 
 // deadlineSlack is how long past its deadline a call may return (SAFETY.md
 // promise 3: "returns by it, plus a small documented bound"); the same bound
-// as engine/process_test.go's against a stopped peer.
+// as engine/stoppedpeer_test.go's against a stopped peer.
 const deadlineSlack = 500 * time.Millisecond
 
 // peerDeadAfter is when an engine declares a silent peer dead with the
@@ -250,13 +251,11 @@ func testBlackhole(t *testing.T, hole time.Duration) {
 
 	// The WRITEs submitted into the hole.
 	wait := func(name string, ch <-chan outcome) outcome {
-		select {
-		case o := <-ch:
-			return o
-		case <-time.After(2 * time.Minute):
+		o, ok := childproc.Receive(ch, 2*time.Minute)
+		if !ok {
 			t.Fatalf("the %s WRITE never ended", name)
-			return outcome{}
 		}
+		return o
 	}
 	in := wait("in-flight", inFlightDone)
 	t.Logf("the WRITE submitted into the hole: %v %v after the hole began (%v)", in.res.Status, in.at.Round(time.Millisecond), in.res.Err)

@@ -10,8 +10,8 @@ import (
 	"github.com/kvferry/kvferry/engine"
 )
 
-// What engine/process_test.go and tests/pd already cover of processes
-// paused and killed: the owner killed mid-WRITE and mid-READ (the
+// What engine/twoprocess_test.go, engine/stoppedpeer_test.go and tests/pd
+// already cover of processes paused and killed: the owner killed mid-WRITE and mid-READ (the
 // initiator's transfer fails, well before its deadline, and later ones by
 // theirs); the owner paused (transfers time out by their deadline and
 // leave the initiator's memory alone; dialing and OpenSegment keep their

@@ -1,6 +1,7 @@
 package pd
 
 import (
+	"context"
 	"runtime"
 	"sync"
 	"testing"
@@ -49,6 +50,17 @@ func allocDecode(t *testing.T, d *engine.Engine, size int) (mem []byte, freeMem 
 	}
 	t.Cleanup(func() { _ = freeMem() })
 	return mem, freeMem
+}
+
+// abortTimed has decode abort request rid, naming initiator, with
+// deadline, and returns Abort's result, how long the call took, and its
+// error.
+func abortTimed(d *engine.Engine, rid uint64, initiator string, deadline time.Duration) (engine.AbortResult, time.Duration, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), deadline)
+	defer cancel()
+	called := time.Now()
+	ar, err := d.Abort(ctx, rid, []string{initiator})
+	return ar, time.Since(called), err
 }
 
 // leakBaseline warms up an engine of opts and returns this process's

@@ -147,16 +147,8 @@ func TestRDMAFencesOfOtherPagesLetARequestInFlightComplete(t *testing.T) {
 		fences  = 2 + 2 // the prefill's Options.MaxRetries (default 2), plus 2
 	)
 	pcfg := rdmaPrefill(t, prefillConfig{slice: slice, paths: 1, workers: 2, srcSize: size, noRID: true})
-	d, err := engine.New(pcfg.decodeOptions())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.Close() })
-	mem, err := d.AllocBuffer(size+other, "cpu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.FreeBuffer(engine.AddrOf(mem)) })
+	d, _ := newDecode(t, pcfg.decodeOptions())
+	mem, _ := allocDecode(t, d, size+other)
 	slot, page := mem[:size:size], mem[size:]
 	fakeverbs.SlowPlacement(t, delayUs)
 	pp := startPrefill(t, pcfg, d.Name())

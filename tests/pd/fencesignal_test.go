@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/childproc"
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
@@ -140,13 +141,11 @@ func (r *fenceSignalRig) check(t *testing.T, when string, i int, h holder, hist 
 // await returns the outcome on ch, failing the test after 30 s.
 func await(t *testing.T, what string, ch <-chan outcome) outcome {
 	t.Helper()
-	select {
-	case o := <-ch:
-		return o
-	case <-time.After(30 * time.Second):
+	o, ok := childproc.Receive(ch, 30*time.Second)
+	if !ok {
 		t.Fatalf("%s: no outcome within 30s", what)
-		return outcome{}
 	}
+	return o
 }
 
 // startA sends request A into both pages and waits until its first bytes

@@ -221,11 +221,7 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 		t.Fatalf("%d of %d bytes landed already: too little left in flight to test", atAbort, size)
 	}
 
-	ctx, cancel := context.WithTimeout(context.Background(), deadline)
-	defer cancel()
-	called := time.Now()
-	ar, err := d.Abort(ctx, rid, []string{pp.name})
-	took := time.Since(called)
+	ar, took, err := abortTimed(d, rid, pp.name, deadline)
 	afterAbort := landed()
 	t.Logf("Abort with the prefill stopped: safe %v, reason %v, acked %v, err %v, after %v; %d KiB landed when it returned",
 		ar.Safe, ar.Reason, ar.Acked, err, took.Round(time.Millisecond), afterAbort>>10)
@@ -397,16 +393,8 @@ func TestRDMAFenceAbortLetsOtherRequestsComplete(t *testing.T) {
 		ridB    = 2    // not aborted
 	)
 	pcfg := rdmaPrefill(t, prefillConfig{slice: slice, paths: 1, workers: 2, srcSize: size})
-	d, err := engine.New(pcfg.decodeOptions())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.Close() })
-	mem, err := d.AllocBuffer(2*size, "cpu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.FreeBuffer(engine.AddrOf(mem)) })
+	d, _ := newDecode(t, pcfg.decodeOptions())
+	mem, _ := allocDecode(t, d, 2*size)
 	slotA, slotB := mem[:size:size], mem[size:]
 	fakeverbs.SlowPlacement(t, delayUs)
 	pp := startPrefill(t, pcfg, d.Name())

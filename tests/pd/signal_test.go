@@ -1,7 +1,6 @@
 package pd
 
 import (
-	"context"
 	"syscall"
 	"testing"
 	"time"
@@ -33,16 +32,8 @@ func testSignalAbort(t *testing.T, sig syscall.Signal) {
 		abortDeadline = 2 * time.Second
 		rid           = 1
 	)
-	d, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp", Testing: engine.Testing{ApplyDelay: applyDelay}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.Close() })
-	mem, err := d.AllocBuffer(size+probeSize, "cpu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.FreeBuffer(engine.AddrOf(mem)) })
+	d, _ := newDecode(t, engine.Options{IgnoreEnv: true, Protocol: "tcp", Testing: engine.Testing{ApplyDelay: applyDelay}})
+	mem, _ := allocDecode(t, d, size+probeSize)
 	slot, probe := mem[:size:size], mem[size:]
 	pcfg := prefillConfig{slice: slice, paths: 1, workers: 2, srcSize: size}
 	pp := startPrefill(t, pcfg, d.Name())
@@ -66,11 +57,7 @@ func testSignalAbort(t *testing.T, sig syscall.Signal) {
 		t.Fatalf("%d of %d bytes already applied when the prefill was signaled: nothing left in flight to test", at.OwnerBytesIn, size)
 	}
 
-	ctx, cancel := context.WithTimeout(context.Background(), abortDeadline)
-	defer cancel()
-	called := time.Now()
-	ar, err := d.Abort(ctx, rid, []string{pp.name})
-	took := time.Since(called)
+	ar, took, err := abortTimed(d, rid, pp.name, abortDeadline)
 	t.Logf("Abort with the prefill %s: %+v, %v after %v", map[syscall.Signal]string{syscall.SIGSTOP: "stopped", syscall.SIGKILL: "killed"}[sig], ar, err, took)
 	if err != nil || !ar.Safe {
 		t.Fatalf("Abort = %+v, %v; want Safe", ar, err)
