@@ -242,7 +242,7 @@ func testBlackhole(t *testing.T, hole time.Duration) {
 		if time.Since(lifted) > time.Minute {
 			t.Fatalf("no transfer completed within a minute of the hole's end (%d attempts; last: %v)", attempts, err)
 		}
-		time.Sleep(time.Until(began.Add(100 * time.Millisecond)))
+		time.Sleep(time.Until(began.Add(100 * time.Millisecond))) // paces the attempts: ten a second at most
 	}
 	recovered := time.Since(lifted)
 	t.Logf("%v blackhole on ports %v (%s): %d of %d packets dropped; a transfer completed again %v after it ended (%d attempts)",
