@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
-	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
 // fencing makes a stress shape a fence row's: decode fences instead of
@@ -150,8 +149,7 @@ func TestRDMAFencesOfOtherPagesLetARequestInFlightComplete(t *testing.T) {
 	d, _ := newDecode(t, pcfg.decodeOptions())
 	mem, _ := allocDecode(t, d, size+other)
 	slot, page := mem[:size:size], mem[size:]
-	fakeverbs.SlowPlacement(t, delayUs)
-	pp := startPrefill(t, pcfg, d.Name())
+	pp := startSlowPrefill(t, pcfg, d, delayUs)
 
 	req := holder{tag: rid}
 	ch := pp.send(t, rid, 0, 1, 1, size, []uint64{engine.AddrOf(slot)})

@@ -9,7 +9,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvferry/kvferry/engine"
 	"github.com/kvferry/kvferry/internal/childproc"
+	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
 // outcome is the prefill's "done" line for one request.
@@ -58,6 +60,15 @@ func startPrefill(t *testing.T, cfg prefillConfig, decodeName string) *prefillPr
 	p.name = f[1]
 	p.sendLine(t, "segment "+decodeName)
 	return p
+}
+
+// startSlowPrefill slows the placement of rdma WRITEs at decode's
+// devices to delayUs per 64 KiB (fakeverbs.SlowPlacement), so that they
+// are certainly in flight when decode acts, and starts the prefill.
+func startSlowPrefill(t *testing.T, cfg prefillConfig, d *engine.Engine, delayUs int) *prefillProc {
+	t.Helper()
+	fakeverbs.SlowPlacement(t, delayUs)
+	return startPrefill(t, cfg, d.Name())
 }
 
 // exited is closed once the prefill's stdout ended.

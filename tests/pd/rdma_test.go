@@ -191,8 +191,7 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 	d, closeDecode := newDecode(t, pcfg.decodeOptions())
 	mem, freeMem := allocDecode(t, d, size+probeSize)
 	slot, probe := mem[:size:size], mem[size:]
-	fakeverbs.SlowPlacement(t, delayUs)
-	pp := startPrefill(t, pcfg, d.Name())
+	pp := startSlowPrefill(t, pcfg, d, delayUs)
 
 	req := holder{tag: rid}
 	landed := func() int { return landedBytes(slot, req, 0) }
@@ -396,8 +395,7 @@ func TestRDMAFenceAbortLetsOtherRequestsComplete(t *testing.T) {
 	d, _ := newDecode(t, pcfg.decodeOptions())
 	mem, _ := allocDecode(t, d, 2*size)
 	slotA, slotB := mem[:size:size], mem[size:]
-	fakeverbs.SlowPlacement(t, delayUs)
-	pp := startPrefill(t, pcfg, d.Name())
+	pp := startSlowPrefill(t, pcfg, d, delayUs)
 
 	landedA := func() int { return landedBytes(slotA, holder{tag: ridA}, 0) }
 	landedB := func() int { return landedBytes(slotB, holder{tag: ridB}, 0) }
