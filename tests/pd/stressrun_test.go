@@ -131,13 +131,6 @@ func (rc *recorder) corrupt(where, pg int, holderTag uint64, d damage) {
 	}
 }
 
-// runStress runs decode (this process, the owner of a slot pool) against a
-// prefill process and returns what it found. It fails the test for what
-// must hold in either mode: every request ends (COMPLETED, or ABORTED when
-// aborted), every Abort returns by its deadline, every abort is
-// acknowledged, and nothing leaks: goroutines and file descriptors of
-// decode (counted here) and of the prefill (counted there), decode's
-// registry and request table.
 // requests is a row's request count: full, or short under -short.
 func requests(full, short int) int {
 	if testing.Short() {
@@ -149,6 +142,13 @@ func requests(full, short int) int {
 // realRequests is how many requests an rdma row runs on real devices.
 func realRequests() int { return requests(300, 100) }
 
+// runStress runs decode (this process, the owner of a slot pool) against a
+// prefill process and returns what it found. It fails the test for what
+// must hold in either mode: every request ends (COMPLETED, or ABORTED when
+// aborted), every Abort returns by its deadline, every abort is
+// acknowledged, and nothing leaks: goroutines and file descriptors of
+// decode (counted here) and of the prefill (counted there), decode's
+// registry and request table.
 func runStress(t *testing.T, cfg stressConfig) *stressResult {
 	t.Helper()
 	res := &stressResult{}
