@@ -92,7 +92,9 @@ func benchAbortToSafe(b *testing.B, fenceGrace time.Duration) {
 		}
 	}()
 	for moved.Load() == 0 && failed.Load() == 0 {
-		time.Sleep(time.Millisecond) // the background traffic runs before the first abort
+		// Polls the counters until the background traffic has moved (or
+		// failed) once, so that it runs before the first abort.
+		time.Sleep(time.Millisecond)
 	}
 	lat := make([]time.Duration, 0, b.N)
 	notSafe := 0
@@ -111,7 +113,7 @@ func benchAbortToSafe(b *testing.B, fenceGrace time.Duration) {
 			b.Fatal(err)
 		}
 		// Abort at a random moment of the request's flight (fixed seed).
-		time.Sleep(time.Duration(rng.IntN(2000)) * time.Microsecond)
+		time.Sleep(time.Duration(rng.IntN(2000)) * time.Microsecond) // elapsed time, deliberately: the abort's moment
 		actx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		t0 := time.Now()
 		res, err := owner.Abort(actx, rid, []string{init.Name()})

@@ -21,7 +21,7 @@ import (
 )
 
 // ---------------------------------------------------------------------------
-// Helpers shared by integration_test.go and process_test.go.
+// Helpers shared by integration_test.go and the process tests.
 
 // newEngineWith starts an engine with opts (IgnoreEnv forced) and closes it
 // when the test ends. Its transport is tcp unless opts names one: tests

@@ -1,13 +1,11 @@
 package engine_test
 
 import (
-	"bufio"
 	"encoding/binary"
 	"fmt"
 	"io"
 	"net"
 	"os"
-	"os/exec"
 	"runtime"
 	"strconv"
 	"strings"
@@ -16,6 +14,7 @@ import (
 
 	"github.com/kvferry/kvferry/engine"
 	"github.com/kvferry/kvferry/engine/transport/tcp"
+	"github.com/kvferry/kvferry/internal/childproc"
 )
 
 // dataFrame is a tcp data-plane frame header (see engine/transport/tcp's
@@ -104,28 +103,11 @@ func TestDataPortFloodFromAnotherProcessIsBounded(t *testing.T) {
 	}
 	fds0, _ := countFDs(t)
 	g0 := runtime.NumGoroutine()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), helperEnv+"=data-flood", spoofTargetEnv+"="+data, spoofCountEnv+"="+strconv.Itoa(n))
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = stdin.Close(); _ = cmd.Wait() })
-	sc := bufio.NewScanner(stdout)
-	line := func() string {
-		if !sc.Scan() {
-			t.Fatalf("the attacker ended early: %v", sc.Err())
-		}
-		return sc.Text()
-	}
+	attacker := childproc.Start(t, childproc.Config{Name: "the attacker",
+		Env: []string{helperEnv + "=data-flood", spoofTargetEnv + "=" + data, spoofCountEnv + "=" + strconv.Itoa(n)}})
+	// The attack takes its time (3000 dials, a frame deadline): the
+	// deadline only keeps a hung attacker from hanging the test.
+	line := func() string { t.Helper(); return attacker.Line(t, 5*time.Minute) }
 	opened := line()
 	s := victim.Stats()
 	t.Logf("attacker: %s; victim: %d data connections, %d refused", opened, s.DataConns, s.ConnsRefused)

@@ -7,11 +7,12 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/childproc"
 )
 
 // deadlineSlack is how long past its deadline a call may return (SAFETY.md
 // promise 3: "returns by it, plus a small documented bound"); the same bound
-// as engine/process_test.go's against a stopped peer.
+// as engine/stoppedpeer_test.go's against a stopped peer.
 const deadlineSlack = 500 * time.Millisecond
 
 // peerDeadAfter is when an engine declares a silent peer dead with the
@@ -241,7 +242,7 @@ func testBlackhole(t *testing.T, hole time.Duration) {
 		if time.Since(lifted) > time.Minute {
 			t.Fatalf("no transfer completed within a minute of the hole's end (%d attempts; last: %v)", attempts, err)
 		}
-		time.Sleep(time.Until(began.Add(100 * time.Millisecond)))
+		time.Sleep(time.Until(began.Add(100 * time.Millisecond))) // paces the attempts: ten a second at most
 	}
 	recovered := time.Since(lifted)
 	t.Logf("%v blackhole on ports %v (%s): %d of %d packets dropped; a transfer completed again %v after it ended (%d attempts)",
@@ -250,13 +251,11 @@ func testBlackhole(t *testing.T, hole time.Duration) {
 
 	// The WRITEs submitted into the hole.
 	wait := func(name string, ch <-chan outcome) outcome {
-		select {
-		case o := <-ch:
-			return o
-		case <-time.After(2 * time.Minute):
+		o, ok := childproc.Receive(ch, 2*time.Minute)
+		if !ok {
 			t.Fatalf("the %s WRITE never ended", name)
-			return outcome{}
 		}
+		return o
 	}
 	in := wait("in-flight", inFlightDone)
 	t.Logf("the WRITE submitted into the hole: %v %v after the hole began (%v)", in.res.Status, in.at.Round(time.Millisecond), in.res.Err)

@@ -4,10 +4,11 @@
 // slowed (tc tbf), and while either process is paused or killed. The
 // package has no API: the tests are in its _test.go files.
 //
-// The test process runs the test binary again as a peer (peer_test.go): an
-// engine with one registered buffer that it fills, checks, aborts requests
-// of, and transfers from, as the test asks over its stdin and stdout. In
-// most tests the peer is the owner of the memory (the target) and the test
+// The test process runs the test binary again as a peer (peerproc_test.go):
+// an engine with one registered buffer that it fills, checks, aborts
+// requests of, and transfers from, as the test asks over its stdin and
+// stdout (internal/childproc starts it and carries the lines). In most
+// tests the peer is the owner of the memory (the target) and the test
 // process the initiator; in those where the initiator is paused or killed
 // the roles are swapped.
 //

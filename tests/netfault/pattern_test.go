@@ -2,48 +2,21 @@ package netfault
 
 import (
 	"fmt"
-	"math/bits"
 	"slices"
-	"unsafe"
+
+	"github.com/kvferry/kvferry/internal/wordpattern"
 )
 
-// Patterns: a range filled with seed s holds, in its word i (bytes 8i to
-// 8i+7, little-endian), base(s) + i*patternStep. Both processes compute
-// them, so neither ships data to the other to check it, and a byte that
-// landed at the wrong offset, in the wrong range, or from another request
-// (another seed) is caught. Two seeds' patterns share a word only by a
-// 2^-64 accident.
+// Patterns (see wordpattern): a range filled with seed s holds, in its
+// word i, patternBase(s) + i*patternStep; a byte from another request
+// (another seed) is caught.
 
-const patternStep = 0x9E3779B97F4A7C15
+const patternStep = wordpattern.Step
 
-func splitmix(x uint64) uint64 {
-	x += 0x9E3779B97F4A7C15
-	x = (x ^ x>>30) * 0xBF58476D1CE4E5B9
-	x = (x ^ x>>27) * 0x94D049BB133111EB
-	return x ^ x>>31
-}
-
-func patternBase(seed uint64) uint64 { return splitmix(seed) }
-
-// words views b (8-byte aligned, a multiple of 8 bytes long) as words.
-func words(b []byte) []uint64 {
-	if len(b) == 0 {
-		return nil
-	}
-	if uintptr(unsafe.Pointer(unsafe.SliceData(b)))%8 != 0 || len(b)%8 != 0 {
-		panic(fmt.Sprintf("pattern range at %p, %d bytes: not whole aligned words", unsafe.SliceData(b), len(b)))
-	}
-	return unsafe.Slice((*uint64)(unsafe.Pointer(unsafe.SliceData(b))), len(b)/8)
-}
+func patternBase(seed uint64) uint64 { return wordpattern.Mix(seed) }
 
 // fillPattern writes seed's pattern into b.
-func fillPattern(b []byte, seed uint64) {
-	v := patternBase(seed)
-	for i, w := 0, words(b); i < len(w); i++ {
-		w[i] = v
-		v += patternStep
-	}
-}
+func fillPattern(b []byte, seed uint64) { wordpattern.Fill(b, patternBase(seed), patternStep) }
 
 // mismatch is what checkPattern found.
 type mismatch struct {
@@ -68,14 +41,12 @@ func (m mismatch) String() string {
 func checkPattern(b []byte, seed, reuse uint64) mismatch {
 	m := mismatch{at: -1}
 	exp, rexp := patternBase(seed), patternBase(reuse)
-	for i, v := range words(b) {
+	for i, v := range wordpattern.Words(b) {
 		if v != exp {
 			if m.bad == 0 {
 				m.at, m.got, m.exp = 8*i, v, exp
 			}
-			for x := v ^ exp; x != 0; x &^= 0xFF << (bits.TrailingZeros64(x) &^ 7) {
-				m.bad++
-			}
+			m.bad += wordpattern.DiffBytes(v, exp)
 			if reuse != 0 && v == rexp {
 				m.reuse++
 			}
@@ -90,7 +61,7 @@ func checkPattern(b []byte, seed, reuse uint64) mismatch {
 func countPattern(b []byte, seed uint64) uint64 {
 	var n uint64
 	exp := patternBase(seed)
-	for _, v := range words(b) {
+	for _, v := range wordpattern.Words(b) {
 		if v == exp {
 			n++
 		}
@@ -109,7 +80,7 @@ func classify(b []byte, seeds []uint64) []uint64 {
 	for k, s := range seeds {
 		exp[k] = patternBase(s)
 	}
-	for _, v := range words(b) {
+	for _, v := range wordpattern.Words(b) {
 		k := slices.Index(exp, v)
 		switch {
 		case k >= 0:

@@ -10,8 +10,8 @@ import (
 	"github.com/kvferry/kvferry/engine"
 )
 
-// What engine/process_test.go and tests/pd already cover of processes
-// paused and killed: the owner killed mid-WRITE and mid-READ (the
+// What engine/twoprocess_test.go, engine/stoppedpeer_test.go and tests/pd
+// already cover of processes paused and killed: the owner killed mid-WRITE and mid-READ (the
 // initiator's transfer fails, well before its deadline, and later ones by
 // theirs); the owner paused (transfers time out by their deadline and
 // leave the initiator's memory alone; dialing and OpenSegment keep their
@@ -114,7 +114,7 @@ func testReaderSignal(t *testing.T, sig syscall.Signal) {
 		}
 	case syscall.SIGKILL:
 		select {
-		case <-reader.exited:
+		case <-reader.exited():
 		case <-time.After(10 * time.Second):
 			t.Fatal("the killed reader still running 10s later")
 		}
@@ -181,10 +181,9 @@ func testShortPause(t *testing.T, side string, op engine.Op) {
 			st := tp.stats()
 			return st["owner_in"] + st["owner_out"]
 		}
-		for end := time.Now().Add(30 * time.Second); moved() == 0; time.Sleep(time.Millisecond) {
-			if len(done) > 0 || time.Now().After(end) {
-				t.Fatal("the transfer ended, or moved nothing within 30s, before the owner could be paused")
-			}
+		var m int64
+		if waitFor(30*time.Second, func() bool { m = moved(); return m > 0 || len(done) > 0 }); m == 0 {
+			t.Fatal("the transfer ended, or moved nothing within 30s, before the owner could be paused")
 		}
 		tp.signal(syscall.SIGSTOP)
 		time.Sleep(pause) // the fault itself

@@ -15,19 +15,23 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
-	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
-// fenceStress is the tcp fence rows' shape: baseStress, with decode
-// fencing instead of aborting. No request is given up before the prefill
-// hears of it (a writer told of pages after their fence writes them: that
-// is the next request's normal flow).
-func fenceStress() stressConfig {
-	cfg := baseStress()
+// fencing makes a stress shape a fence row's: decode fences instead of
+// aborting. No request is given up before the prefill hears of it (a
+// writer told of pages after their fence writes them: that is the next
+// request's normal flow).
+func fencing(cfg stressConfig) stressConfig {
 	cfg.fence = true
 	cfg.before, cfg.during, cfg.after = 0, 25, 10
 	return cfg
 }
+
+// fenceStress is the tcp fence rows' shape.
+func fenceStress() stressConfig { return fencing(baseStress()) }
+
+// rdmaFenceStress is the rdma fence rows' shape.
+func rdmaFenceStress() stressConfig { return fencing(rdmaStress()) }
 
 // TestFenceStressUnprotectedFindsCorruption: SAFETY.md's row "tcp, Fence
 // of the pages, writer passes no request id, protection off". Fence reports
@@ -36,17 +40,11 @@ func fenceStress() stressConfig {
 // pattern in a reused slot, or the protected row proves nothing.
 func TestFenceStressUnprotectedFindsCorruption(t *testing.T) {
 	cfg := fenceStress()
-	cfg.unsafe = true
 	cfg.requests = 300
 	// A long pause per frame: when decode fences, frames are certainly
 	// still on the wire.
 	cfg.applyDelay = 2 * time.Millisecond
-	cfg.during, cfg.after = 50, 5
-	cfg.duringMax = 20 * time.Millisecond
-	r := runStress(t, cfg)
-	if bad, old := r.totalBad(); old == 0 {
-		t.Errorf("no given-up request's pattern found in a reused slot (%d corrupted bytes in all): the unsafe fence should let late writes land", bad)
-	}
+	runUnprotected(t, cfg, "given-up request's", "the unsafe fence should let late writes land")
 }
 
 // TestFenceStressIsSafe: SAFETY.md's row "tcp, Fence on". Decode fences
@@ -57,13 +55,7 @@ func TestFenceStressUnprotectedFindsCorruption(t *testing.T) {
 // flight (the prefill's tasks ended refused as fenced), and no request the
 // prefill heard of after the fence of its pages fails.
 func TestFenceStressIsSafe(t *testing.T) {
-	cfg := fenceStress()
-	cfg.requests = 3000
-	if testing.Short() {
-		cfg.requests = 1000
-	}
-	cfg.applyDelay = 50 * time.Microsecond
-	r := runStress(t, cfg)
+	r := runWithFramesInFlight(t, fenceStress(), requests(3000, 1000))
 	checkProtectedFence(t, r)
 	if r.decode.OwnerRefused == 0 {
 		t.Errorf("decode refused no frame (fence refusals at admission %d): no fence struck bytes in flight", r.decode.FenceRefused)
@@ -75,12 +67,7 @@ func TestFenceStressIsSafe(t *testing.T) {
 // among them) already failed the run in runStress, one error each.
 func checkProtectedFence(t *testing.T, r *stressResult) {
 	t.Helper()
-	if bad, old := r.totalBad(); bad != 0 {
-		t.Errorf("%d corrupted bytes (%d of them a given-up request's pattern) with the fence on; want 0", bad, old)
-	}
-	if r.fenceNotSafe != 0 {
-		t.Errorf("%d of %d fences not Safe", r.fenceNotSafe, r.fences)
-	}
+	checkSafeGiveUps(t, r, "a given-up request's", "with the fence on", "fences", r.fenceNotSafe, r.fences)
 	if r.notCompleted != 0 {
 		t.Errorf("%d requests not given up failed (%d of %d fences returned without the prefill's FENCE_ACK); want 0", r.notCompleted, r.fenceUnacked, r.fences)
 	}
@@ -102,25 +89,12 @@ func checkProtectedFence(t *testing.T, r *stressResult) {
 func TestFenceBeforeThePrefillPlannedLetsLaterLayersLand(t *testing.T) {
 	cfg := fenceStress()
 	cfg.fenceEarly = true
-	cfg.requests = 300
-	cfg.applyDelay = 50 * time.Microsecond
 	cfg.during, cfg.after = 50, 5
-	r := runStress(t, cfg)
-	if bad, old := r.totalBad(); old == 0 {
-		t.Errorf("no fenced request's pattern found in a reused slot (%d corrupted bytes in all): layers planned after a fence should pass", bad)
-	}
+	r := runWithFramesInFlight(t, cfg, 300)
+	requireLateWritesFound(t, r, "fenced request's", "layers planned after a fence should pass")
 	if r.fenceNotSafe != 0 {
 		t.Errorf("%d of %d fences not Safe", r.fenceNotSafe, r.fences)
 	}
-}
-
-// rdmaFenceStress is the rdma fence rows' shape: rdmaStress, with decode
-// fencing instead of aborting.
-func rdmaFenceStress() stressConfig {
-	cfg := rdmaStress()
-	cfg.fence = true
-	cfg.before, cfg.during, cfg.after = 0, 25, 10
-	return cfg
 }
 
 // TestRDMAFenceStressUnprotectedFindsCorruption: SAFETY.md's row "fake
@@ -130,21 +104,10 @@ func rdmaFenceStress() stressConfig {
 // slots.
 func TestRDMAFenceStressUnprotectedFindsCorruption(t *testing.T) {
 	cfg := rdmaFenceStress()
-	cfg.unsafe = true
 	// As TestRDMAStressACKOnHeardFindsCorruption: pages of 4 chunks, 1 ms
 	// apart, queued behind each other at decode's two NICs.
-	cfg.pageSize, cfg.slice = 256<<10, 256<<10
-	cfg.delayUs = 1000
-	cfg.requests = 80
-	if testing.Short() {
-		cfg.requests = 40
-	}
-	cfg.during, cfg.after = 50, 5
-	cfg.duringMax = 20 * time.Millisecond
-	r := runStress(t, cfg)
-	if bad, old := r.totalBad(); old == 0 {
-		t.Errorf("no given-up request's pattern found in a reused slot (%d corrupted bytes in all): the unsafe fence should let posted WRITEs land", bad)
-	}
+	cfg.slowPages()
+	runUnprotected(t, cfg, "given-up request's", "the unsafe fence should let posted WRITEs land")
 }
 
 // TestRDMAFenceStressIsSafe: SAFETY.md's row "fake rdma, Fence on". Each
@@ -157,10 +120,7 @@ func TestRDMAFenceStressIsSafe(t *testing.T) {
 	cfg := rdmaFenceStress()
 	cfg.delayUs = 300
 	cfg.budget = 45 * time.Second
-	cfg.requests = 600
-	if testing.Short() {
-		cfg.requests = 200
-	}
+	cfg.requests = requests(600, 200)
 	r := runStress(t, cfg)
 	checkProtectedFence(t, r)
 	if r.decode.RDMAFences == 0 {
@@ -186,19 +146,10 @@ func TestRDMAFencesOfOtherPagesLetARequestInFlightComplete(t *testing.T) {
 		fences  = 2 + 2 // the prefill's Options.MaxRetries (default 2), plus 2
 	)
 	pcfg := rdmaPrefill(t, prefillConfig{slice: slice, paths: 1, workers: 2, srcSize: size, noRID: true})
-	d, err := engine.New(pcfg.decodeOptions())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.Close() })
-	mem, err := d.AllocBuffer(size+other, "cpu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.FreeBuffer(engine.AddrOf(mem)) })
+	d, _ := newDecode(t, pcfg.decodeOptions())
+	mem, _ := allocDecode(t, d, size+other)
 	slot, page := mem[:size:size], mem[size:]
-	fakeverbs.SlowPlacement(t, delayUs)
-	pp := startPrefill(t, pcfg, d.Name())
+	pp := startSlowPrefill(t, pcfg, d, delayUs)
 
 	req := holder{tag: rid}
 	ch := pp.send(t, rid, 0, 1, 1, size, []uint64{engine.AddrOf(slot)})

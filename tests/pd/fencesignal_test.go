@@ -7,13 +7,13 @@ package pd
 
 import (
 	"context"
-	"runtime"
 	"slices"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/childproc"
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
@@ -26,17 +26,19 @@ const defaultFenceGrace = 50 * time.Millisecond
 // decode's, which a request A writes (one layer of two pages) and decode
 // then fences.
 type fenceSignalRig struct {
-	rdma     bool
-	d        *engine.Engine
-	pcfg     prefillConfig
-	pp       *prefillProc
-	pages    [2][]byte
-	pageSize int
-	slice    int
-	rid      uint64 // the last request id used
-	closed   bool
-	freed    bool
-	g0, f0   int // decode's goroutines and file descriptors before it started
+	rdma bool
+	d    *engine.Engine
+	// closeDecode closes d once (see newDecode).
+	closeDecode func() error
+	pcfg        prefillConfig
+	pp          *prefillProc
+	pages       [2][]byte
+	pageSize    int
+	slice       int
+	rid         uint64 // the last request id used
+	// freeMem frees the pages' memory once (see allocDecode).
+	freeMem func() error
+	g0, f0  int // decode's goroutines and file descriptors before it started
 }
 
 // newFenceSignalRig starts decode and the prefill (no request ids). Over
@@ -55,37 +57,15 @@ func newFenceSignalRig(t *testing.T, rdma bool) *fenceSignalRig {
 		r.pcfg = rdmaPrefill(t, r.pcfg)
 	}
 	// Leak baseline, before anything of the row exists.
-	if err := warmUp(r.pcfg.decodeOptions()); err != nil {
-		t.Fatal(err)
-	}
-	r.g0 = runtime.NumGoroutine()
-	var err error
-	if r.f0, _, err = processFDs(); err != nil {
-		t.Fatal(err)
-	}
+	r.g0, r.f0, _ = leakBaseline(t, r.pcfg.decodeOptions())
 	dopts := r.pcfg.decodeOptions()
 	if !rdma {
 		dopts.Testing.ApplyDelay = 5 * time.Millisecond
 	}
-	d, err := engine.New(dopts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.d = d
-	t.Cleanup(func() {
-		if !r.closed {
-			_ = d.Close()
-		}
-	})
-	mem, err := d.AllocBuffer(2*r.pageSize, "cpu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if !r.freed {
-			_ = d.FreeBuffer(engine.AddrOf(mem))
-		}
-	})
+	d, closeDecode := newDecode(t, dopts)
+	r.d, r.closeDecode = d, closeDecode
+	mem, freeMem := allocDecode(t, d, 2*r.pageSize)
+	r.freeMem = freeMem
 	r.pages = [2][]byte{mem[:r.pageSize:r.pageSize], mem[r.pageSize:]}
 	if rdma {
 		fakeverbs.SlowPlacement(t, 2000)
@@ -161,13 +141,11 @@ func (r *fenceSignalRig) check(t *testing.T, when string, i int, h holder, hist 
 // await returns the outcome on ch, failing the test after 30 s.
 func await(t *testing.T, what string, ch <-chan outcome) outcome {
 	t.Helper()
-	select {
-	case o := <-ch:
-		return o
-	case <-time.After(30 * time.Second):
+	o, ok := childproc.Receive(ch, 30*time.Second)
+	if !ok {
 		t.Fatalf("%s: no outcome within 30s", what)
-		return outcome{}
 	}
+	return o
 }
 
 // startA sends request A into both pages and waits until its first bytes
@@ -276,9 +254,7 @@ func testFenceStopped(t *testing.T, rdma bool) {
 	// Every fence is acknowledged once the prefill runs again (the notice
 	// waits on its connection, and the owner matches late ACKs of its last
 	// 1024 fences).
-	for end := time.Now().Add(5 * time.Second); r.d.Stats().FenceAcks < uint64(rounds) && time.Now().Before(end); {
-		time.Sleep(5 * time.Millisecond)
-	}
+	waitUntil(5*time.Second, 5*time.Millisecond, func() bool { return r.d.Stats().FenceAcks >= uint64(rounds) })
 	st := r.d.Stats()
 	t.Logf("decode: fences safe %d not safe %d, FENCE_ACKs %d (unmatched %d), refused %d (at admission as fenced %d, mid-frame %d), rdma fences %d",
 		st.FencesSafe, st.FencesNotSafe, st.FenceAcks, st.FenceAcksUnmatched, st.OwnerRefused, st.FenceRefused, st.RefusedInFlight, st.RDMAFences)
@@ -298,19 +274,15 @@ func testFenceStopped(t *testing.T, rdma bool) {
 // checks decode for leaks.
 func (r *fenceSignalRig) closeAndCheck(t *testing.T, who string, h0, h1 holder) {
 	t.Helper()
-	if err := r.d.Close(); err != nil {
+	if err := r.closeDecode(); err != nil {
 		t.Errorf("decode close: %v", err)
 	}
-	r.closed = true
 	r.check(t, who+", at the end", 0, h0)
 	r.check(t, who+", at the end", 1, h1)
-	if err := r.d.FreeBuffer(engine.AddrOf(r.pages[0])); err != nil {
+	if err := r.freeMem(); err != nil {
 		t.Error(err)
 	}
-	r.freed = true
-	if g, f := settled(r.g0, r.f0, 3*time.Second); g > r.g0 || f > r.f0 {
-		t.Errorf("decode leaked: goroutines %d -> %d, file descriptors %d -> %d", r.g0, g, r.f0, f)
-	}
+	checkLeaks(t, r.g0, r.f0)
 }
 
 // TestFenceIsSafeWithThePrefillKilled: over tcp.
@@ -329,18 +301,12 @@ func testFenceKilled(t *testing.T, rdma bool) {
 	a, chA := r.startA(t)
 	pp := r.pp
 	pp.signal(t, syscall.SIGKILL)
-	select {
-	case <-pp.readerDone:
-	case <-time.After(10 * time.Second):
-		t.Fatal("killed prefill still running 10s later")
-	}
+	_ = pp.waitKilled(t)
 	select {
 	case o := <-chA:
 		t.Fatalf("the killed prefill reported request A: %s", o.line)
 	default:
 	}
-	pp.waited = true
-	_ = pp.cmd.Wait()
 	atKill := r.landed(a)
 	if atKill >= 2*r.pageSize-4*r.slice {
 		t.Fatalf("%d of request A's %d bytes landed already: too little left in flight to test", atKill, 2*r.pageSize)

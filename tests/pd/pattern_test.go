@@ -2,9 +2,9 @@ package pd
 
 import (
 	"fmt"
-	"math/bits"
 	"sync"
-	"unsafe"
+
+	"github.com/kvferry/kvferry/internal/wordpattern"
 )
 
 // holder names what a KV slot must hold: the pattern of a prefill request
@@ -28,15 +28,6 @@ func reuseTag(rid uint64) uint64 { return rid | reuseBit }
 // decode's own reuse pattern).
 func isRequestTag(tag uint64) bool { return tag != 0 && tag&reuseBit == 0 }
 
-const patternStep = 0x9E3779B97F4A7C15
-
-func splitmix(x uint64) uint64 {
-	x += 0x9E3779B97F4A7C15
-	x = (x ^ x>>30) * 0xBF58476D1CE4E5B9
-	x = (x ^ x>>27) * 0x94D049BB133111EB
-	return x ^ x>>31
-}
-
 // patternOf returns the first word of h's pattern in a slot of layer and
 // the step between words: word i is base + i*step. Both processes compute
 // it, so neither ships patterns to the other. Two holders' patterns share
@@ -45,27 +36,13 @@ func patternOf(h holder, layer int) (base, step uint64) {
 	if h.tag == 0 {
 		return 0, 0
 	}
-	return splitmix(h.tag ^ splitmix(uint64(layer)<<32|uint64(h.pos))), patternStep
-}
-
-// words views registered memory (mmapped by the engine, page-aligned, a
-// multiple of 8 bytes) as words, so that filling and checking cost a store
-// or a compare per 8 bytes: the stress test checks gigabytes.
-func words(b []byte) []uint64 {
-	if len(b) == 0 {
-		return nil
-	}
-	return unsafe.Slice((*uint64)(unsafe.Pointer(unsafe.SliceData(b))), len(b)/8)
+	return wordpattern.Mix(h.tag ^ wordpattern.Mix(uint64(layer)<<32|uint64(h.pos))), wordpattern.Step
 }
 
 // fillSlot writes h's pattern for layer into b.
 func fillSlot(b []byte, h holder, layer int) {
 	base, step := patternOf(h, layer)
-	w := words(b)
-	for i := range w {
-		w[i] = base
-		base += step
-	}
+	wordpattern.Fill(b, base, step)
 }
 
 // damage is what checkSlot found.
@@ -92,18 +69,13 @@ func (d *damage) add(o damage) {
 func checkSlot(b []byte, h holder, layer int, hist []holder) damage {
 	d := damage{at: -1}
 	base, step := patternOf(h, layer)
-	w := words(b)
 	exp := base
-	for i, v := range w {
+	for i, v := range wordpattern.Words(b) {
 		if v != exp {
 			if d.bad == 0 {
 				d.at, d.got, d.exp = i*8, v, exp
 			}
-			// Bytes that differ: one per nonzero byte of v^exp.
-			var n uint64
-			for x := v ^ exp; x != 0; x &^= 0xFF << (bits.TrailingZeros64(x) &^ 7) {
-				n++
-			}
+			n := wordpattern.DiffBytes(v, exp)
 			d.bad += n
 			for _, o := range hist {
 				if !isRequestTag(o.tag) {

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/childproc"
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
@@ -137,19 +138,6 @@ func parseJob(f []string) (job, error) {
 	return j, nil
 }
 
-// lineOut writes whole lines to stdout from many goroutines.
-type lineOut struct {
-	mu sync.Mutex
-	w  *bufio.Writer
-}
-
-func (o *lineOut) printf(format string, args ...any) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	fmt.Fprintf(o.w, format+"\n", args...)
-	_ = o.w.Flush()
-}
-
 // processFDs counts this process's open file descriptors; the leak checks
 // of both processes use it, the child's without a testing.T.
 func processFDs() (int, []string, error) {
@@ -183,13 +171,12 @@ func warmUp(o engine.Options) error {
 // at most g0 and f0 (goroutines on their way out need a moment), and
 // returns the last counts.
 func settled(g0, f0 int, d time.Duration) (g, f int) {
-	for end := time.Now().Add(d); ; time.Sleep(10 * time.Millisecond) {
+	waitUntil(d, 10*time.Millisecond, func() bool {
 		g = runtime.NumGoroutine()
 		f, _, _ = processFDs()
-		if (g <= g0 && f <= f0) || time.Now().After(end) {
-			return g, f
-		}
-	}
+		return g <= g0 && f <= f0
+	})
+	return g, f
 }
 
 // runPrefill is the prefill process: it WRITEs each requested request's
@@ -249,8 +236,8 @@ func runPrefill() int {
 			}
 		}
 	}()
-	out := &lineOut{w: bufio.NewWriter(os.Stdout)}
-	out.printf("prefill %s", e.Name())
+	out := childproc.NewLineWriter(os.Stdout)
+	out.Printf("prefill %s", e.Name())
 
 	in := bufio.NewScanner(os.Stdin)
 	in.Buffer(make([]byte, 64<<10), 1<<20)
@@ -285,7 +272,7 @@ func runPrefill() int {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			out.printf("%s", writeRequest(e, seg, j, s, cfg.noRID, out, &fenced))
+			out.Printf("%s", writeRequest(e, seg, j, s, cfg.noRID, out, &fenced))
 			slots <- s
 		}()
 	}
@@ -302,7 +289,7 @@ func runPrefill() int {
 		return fail("free: %v", err)
 	}
 	g, fds := settled(g0, f0, 2*time.Second)
-	out.printf("bye completed=%d failed=%d inflight=%d tasks_aborted=%d aborts_received=%d abort_events=%d other_events=%d events_dropped=%d goroutines_before=%d goroutines_after=%d fds_before=%d fds_after=%d rdma_wrs=%d rdma_error_wcs=%d rdma_failovers=%d retries=%d tasks_fenced=%d bytes_fenced=%d fences_received=%d",
+	out.Printf("bye completed=%d failed=%d inflight=%d tasks_aborted=%d aborts_received=%d abort_events=%d other_events=%d events_dropped=%d goroutines_before=%d goroutines_after=%d fds_before=%d fds_after=%d rdma_wrs=%d rdma_error_wcs=%d rdma_failovers=%d retries=%d tasks_fenced=%d bytes_fenced=%d fences_received=%d",
 		st.TasksCompleted, st.TasksFailed, st.TasksInFlight, st.TasksAborted, st.AbortsReceived, abortEvents, otherEvents,
 		st.EventsDropped, g0, g, f0, fds, st.RDMAWorkRequests, st.RDMAErrorWCs, st.RDMAFailovers, st.Retries,
 		fenced.tasks.Load(), fenced.bytes.Load(), st.FencesReceived)
@@ -319,10 +306,10 @@ type fenceTally struct{ tasks, bytes atomic.Int64 }
 // Once every submit returned it says "planned": nothing of the request is
 // planned after that line. Then it waits for all of its tasks and returns
 // the "done" line.
-func writeRequest(e *engine.Engine, seg *engine.Segment, j job, src []byte, noRID bool, out *lineOut, fenced *fenceTally) string {
+func writeRequest(e *engine.Engine, seg *engine.Segment, j job, src []byte, noRID bool, out *childproc.LineWriter, fenced *fenceTally) string {
 	b, err := e.AllocateBatch(j.layers * j.pages)
 	if err != nil {
-		out.printf("planned %d", j.rid)
+		out.Printf("planned %d", j.rid)
 		return fmt.Sprintf("done %d SUBMIT_FAILED 0 0 0 0 %q", j.rid, err.Error())
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -345,7 +332,7 @@ func writeRequest(e *engine.Engine, seg *engine.Segment, j job, src []byte, noRI
 			break
 		}
 	}
-	out.printf("planned %d", j.rid)
+	out.Printf("planned %d", j.rid)
 	if err := b.Wait(ctx); err != nil {
 		b.Cancel()
 	}

@@ -1,18 +1,17 @@
 package pd
 
 import (
-	"bufio"
-	"bytes"
 	"errors"
 	"fmt"
-	"os"
-	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/internal/childproc"
+	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
 
 // outcome is the prefill's "done" line for one request.
@@ -34,21 +33,15 @@ func (o outcome) fencedOnly() bool {
 // prefillProc is the running prefill process, seen from decode: the
 // bootstrap channel (its stdin and stdout) and its segment name.
 type prefillProc struct {
-	cmd  *exec.Cmd
+	proc *childproc.Proc
 	name string // its segment name
-
-	inMu  sync.Mutex
-	stdin *bufio.Writer
-	pipe  interface{ Close() error }
 
 	mu      sync.Mutex
 	waiters map[uint64]chan outcome
 	planned map[uint64]chan struct{} // closed at the request's "planned" line
 	strays  []string                 // lines that matched nothing: reported by finish
 
-	bye        chan string   // the "bye" line
-	readerDone chan struct{} // stdout reached its end
-	waited     bool
+	bye chan string // the "bye" line
 }
 
 // startPrefill runs the test binary as the prefill process, tells it
@@ -57,110 +50,77 @@ type prefillProc struct {
 // ends.
 func startPrefill(t *testing.T, cfg prefillConfig, decodeName string) *prefillProc {
 	t.Helper()
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
+	p := &prefillProc{waiters: map[uint64]chan outcome{}, planned: map[uint64]chan struct{}{}, bye: make(chan string, 1)}
+	p.proc = childproc.Start(t, childproc.Config{Name: "prefill", Env: cfg.env(), OnLine: p.dispatch})
+	l := p.proc.First(t, 60*time.Second)
+	f := strings.Fields(l)
+	if len(f) != 2 || f[0] != "prefill" {
+		t.Fatalf("prefill said %q first", l)
 	}
-	cmd := exec.Command(exe, "-test.run=^$")
-	cmd.Env = append(os.Environ(), cfg.env()...)
-	// An *os.File: exec copies nothing itself, so the leak check counts no
-	// goroutine of ours.
-	cmd.Stderr = os.Stderr
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("start prefill: %v", err)
-	}
-	p := &prefillProc{cmd: cmd, stdin: bufio.NewWriter(stdin), pipe: stdin, waiters: map[uint64]chan outcome{},
-		planned: map[uint64]chan struct{}{}, bye: make(chan string, 1), readerDone: make(chan struct{})}
-	first := make(chan string, 1)
-	go p.read(stdout, first)
-	t.Cleanup(func() { p.stop(t) })
-	select {
-	case l := <-first:
-		f := strings.Fields(l)
-		if len(f) != 2 || f[0] != "prefill" {
-			t.Fatalf("prefill said %q first", l)
-		}
-		p.name = f[1]
-	case <-p.readerDone:
-		t.Fatal("prefill exited before naming its segment")
-	case <-time.After(60 * time.Second):
-		t.Fatal("prefill did not name its segment within 60s")
-	}
+	p.name = f[1]
 	p.sendLine(t, "segment "+decodeName)
 	return p
 }
 
-// read dispatches the prefill's stdout lines: the first to first, "done"
-// lines to the request's waiter, "planned" lines to the request's planned
+// startSlowPrefill slows the placement of rdma WRITEs at decode's
+// devices to delayUs per 64 KiB (fakeverbs.SlowPlacement), so that they
+// are certainly in flight when decode acts, and starts the prefill.
+func startSlowPrefill(t *testing.T, cfg prefillConfig, d *engine.Engine, delayUs int) *prefillProc {
+	t.Helper()
+	fakeverbs.SlowPlacement(t, delayUs)
+	return startPrefill(t, cfg, d.Name())
+}
+
+// exited is closed once the prefill's stdout ended.
+func (p *prefillProc) exited() <-chan struct{} { return p.proc.Exited() }
+
+// dispatch takes the prefill's stdout lines after the first: "done" lines
+// go to the request's waiter, "planned" lines to the request's planned
 // channel, "bye" to p.bye.
-func (p *prefillProc) read(stdout interface{ Read([]byte) (int, error) }, first chan<- string) {
-	defer close(p.readerDone)
-	sc := bufio.NewScanner(stdout)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for n := 0; sc.Scan(); n++ {
-		l := sc.Text()
-		if n == 0 {
-			first <- l
-			continue
+func (p *prefillProc) dispatch(l string) {
+	f := strings.Fields(l)
+	switch {
+	case len(f) >= 7 && f[0] == "done":
+		rid, err1 := strconv.ParseUint(f[1], 10, 64)
+		moved, err2 := strconv.ParseUint(f[3], 10, 64)
+		tasks, err3 := strconv.Atoi(f[4])
+		fenced, err4 := strconv.Atoi(f[5])
+		others, err5 := strconv.Atoi(f[6])
+		p.mu.Lock()
+		ch := p.waiters[rid]
+		delete(p.waiters, rid)
+		if pl := p.planned[rid]; pl != nil {
+			close(pl) // a request that ended is planned, whatever it said
+			delete(p.planned, rid)
 		}
-		f := strings.Fields(l)
-		switch {
-		case len(f) >= 7 && f[0] == "done":
-			rid, err1 := strconv.ParseUint(f[1], 10, 64)
-			moved, err2 := strconv.ParseUint(f[3], 10, 64)
-			tasks, err3 := strconv.Atoi(f[4])
-			fenced, err4 := strconv.Atoi(f[5])
-			others, err5 := strconv.Atoi(f[6])
-			p.mu.Lock()
-			ch := p.waiters[rid]
-			delete(p.waiters, rid)
-			if pl := p.planned[rid]; pl != nil {
-				close(pl) // a request that ended is planned, whatever it said
-				delete(p.planned, rid)
-			}
-			if ch == nil || errors.Join(err1, err2, err3, err4, err5) != nil {
-				p.strays = append(p.strays, l)
-			}
-			p.mu.Unlock()
-			if ch != nil {
-				ch <- outcome{status: f[2], moved: moved, tasks: tasks, fenced: fenced, others: others, line: l}
-			}
-		case len(f) == 2 && f[0] == "planned":
-			rid, err := strconv.ParseUint(f[1], 10, 64)
-			p.mu.Lock()
-			if pl := p.planned[rid]; pl != nil && err == nil {
-				close(pl)
-				delete(p.planned, rid)
-			} else {
-				p.strays = append(p.strays, l)
-			}
-			p.mu.Unlock()
-		case len(f) >= 1 && f[0] == "bye":
-			p.bye <- l
-		default:
-			p.mu.Lock()
+		if ch == nil || errors.Join(err1, err2, err3, err4, err5) != nil {
 			p.strays = append(p.strays, l)
-			p.mu.Unlock()
 		}
+		p.mu.Unlock()
+		if ch != nil {
+			ch <- outcome{status: f[2], moved: moved, tasks: tasks, fenced: fenced, others: others, line: l}
+		}
+	case len(f) == 2 && f[0] == "planned":
+		rid, err := strconv.ParseUint(f[1], 10, 64)
+		p.mu.Lock()
+		if pl := p.planned[rid]; pl != nil && err == nil {
+			close(pl)
+			delete(p.planned, rid)
+		} else {
+			p.strays = append(p.strays, l)
+		}
+		p.mu.Unlock()
+	case len(f) >= 1 && f[0] == "bye":
+		p.bye <- l
+	default:
+		p.mu.Lock()
+		p.strays = append(p.strays, l)
+		p.mu.Unlock()
 	}
 }
 
 func (p *prefillProc) sendLine(t *testing.T, l string) {
-	p.inMu.Lock()
-	defer p.inMu.Unlock()
-	_, err := p.stdin.WriteString(l + "\n")
-	if err == nil {
-		err = p.stdin.Flush()
-	}
-	if err != nil {
+	if err := p.proc.Send(l); err != nil {
 		t.Errorf("write to prefill: %v", err)
 	}
 }
@@ -195,22 +155,14 @@ func (p *prefillProc) sendPlanned(t *testing.T, rid uint64, gen uint32, layers, 
 // are errors.
 func (p *prefillProc) finish(t *testing.T, d time.Duration) map[string]int64 {
 	t.Helper()
-	p.inMu.Lock()
-	_ = p.pipe.Close()
-	p.inMu.Unlock()
+	p.proc.CloseStdin()
 	var l string
 	select {
 	case l = <-p.bye:
 	case <-time.After(d):
 		t.Fatalf("prefill did not say bye within %v of its stdin closing", d)
 	}
-	select {
-	case <-p.readerDone:
-	case <-time.After(d):
-		t.Fatalf("prefill's stdout still open %v after bye", d)
-	}
-	p.waited = true
-	if err := p.cmd.Wait(); err != nil {
+	if err := p.proc.Finish(t, d); err != nil {
 		t.Errorf("prefill exited: %v", err)
 	}
 	p.mu.Lock()
@@ -229,49 +181,4 @@ func (p *prefillProc) finish(t *testing.T, d time.Duration) map[string]int64 {
 		kv[k] = n
 	}
 	return kv
-}
-
-// stop ends the process if finish did not: resumes it (it may be paused),
-// closes its stdin, and kills it if it has not exited 10 s later.
-func (p *prefillProc) stop(t *testing.T) {
-	if p.waited {
-		return
-	}
-	_ = p.cmd.Process.Signal(syscall.SIGCONT)
-	p.inMu.Lock()
-	_ = p.pipe.Close()
-	p.inMu.Unlock()
-	select {
-	case <-p.readerDone:
-	case <-time.After(10 * time.Second):
-		t.Errorf("prefill %d did not exit within 10s of its stdin closing; killing it", p.cmd.Process.Pid)
-		_ = p.cmd.Process.Kill()
-		<-p.readerDone
-	}
-	p.waited = true
-	_ = p.cmd.Wait()
-}
-
-// signal sends sig to the prefill; for SIGSTOP it waits until the process
-// is stopped, so that nothing it does afterwards can be mistaken for what
-// it did before.
-func (p *prefillProc) signal(t *testing.T, sig syscall.Signal) {
-	t.Helper()
-	if err := p.cmd.Process.Signal(sig); err != nil {
-		t.Fatalf("signal %v: %v", sig, err)
-	}
-	if sig != syscall.SIGSTOP {
-		return
-	}
-	stat := fmt.Sprintf("/proc/%d/stat", p.cmd.Process.Pid)
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-		b, err := os.ReadFile(stat)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if i := bytes.LastIndexByte(b, ')'); i >= 0 && i+2 < len(b) && b[i+2] == 'T' {
-			return
-		}
-	}
-	t.Fatal("prefill did not stop within 5s")
 }

@@ -11,7 +11,6 @@ package pd
 
 import (
 	"context"
-	"runtime"
 	"strings"
 	"syscall"
 	"testing"
@@ -19,6 +18,7 @@ import (
 
 	"github.com/kvferry/kvferry/engine"
 	"github.com/kvferry/kvferry/internal/fakeverbs"
+	"github.com/kvferry/kvferry/internal/wordpattern"
 )
 
 // rdmaPrefill is the prefill's rdma configuration: the fake libibverbs, or
@@ -48,23 +48,9 @@ func rdmaStress() stressConfig {
 // in reused slots: the checks of the protected rows can fail.
 func TestRDMAStressACKOnHeardFindsCorruption(t *testing.T) {
 	cfg := rdmaStress()
-	cfg.unsafe = true
-	// Pages of 4 chunks, 1 ms apart: a WRITE takes at least 3 ms to
-	// place, and a request's 8 WRITEs queue behind each other at decode's
-	// two NICs: far longer than ABORT and its ACK take to go round.
-	cfg.pageSize, cfg.slice = 256<<10, 256<<10
-	cfg.delayUs = 1000
-	cfg.requests = 80
-	if testing.Short() {
-		cfg.requests = 40
-	}
-	cfg.before, cfg.during, cfg.after = 5, 50, 5
-	cfg.duringMax = 20 * time.Millisecond
-	r := runStress(t, cfg)
-	bad, old := r.totalBad()
-	if old == 0 {
-		t.Errorf("no aborted request's pattern found in a reused slot (%d corrupted bytes in all): ACK on heard should let posted WRITEs land", bad)
-	}
+	cfg.slowPages()
+	cfg.before = 5
+	runUnprotected(t, cfg, "aborted request's", "ACK on heard should let posted WRITEs land")
 }
 
 // TestRDMAStressOwnerFenceIsSafe: SAFETY.md's row "fake rdma, owner-side
@@ -89,10 +75,7 @@ func TestRDMAStressOwnerFenceIsSafe(t *testing.T) {
 	// request id and path), so this row runs 1500 requests in about 15 s
 	// where the default row (few fences) takes about 5.
 	cfg.budget = 45 * time.Second
-	cfg.requests = 1500
-	if testing.Short() {
-		cfg.requests = 400
-	}
+	cfg.requests = requests(1500, 400)
 	r := runStress(t, cfg)
 	checkProtectedRDMA(t, r)
 	if r.decode.RDMAFences != uint64(r.aborts) {
@@ -113,10 +96,7 @@ func TestRDMAStressACKOrFenceIsSafe(t *testing.T) {
 	cfg.delayUs = 300
 	cfg.abortDeadline = 12 * time.Second
 	cfg.budget = 15 * time.Second
-	cfg.requests = 1500
-	if testing.Short() {
-		cfg.requests = 400
-	}
+	cfg.requests = requests(1500, 400)
 	r := runStress(t, cfg)
 	checkProtectedRDMA(t, r)
 	if r.decode.RDMAFences >= uint64(r.aborts) {
@@ -132,10 +112,7 @@ func TestRDMAStressDrainAwareACKIsSafe(t *testing.T) {
 	cfg := rdmaStress()
 	cfg.noFence = true
 	cfg.delayUs = 300
-	cfg.requests = 1500
-	if testing.Short() {
-		cfg.requests = 400
-	}
+	cfg.requests = requests(1500, 400)
 	r := runStress(t, cfg)
 	checkProtectedRDMA(t, r)
 	if r.decode.RDMAFences != 0 {
@@ -143,15 +120,21 @@ func TestRDMAStressDrainAwareACKIsSafe(t *testing.T) {
 	}
 }
 
+// slowPages shapes the unprotected rdma rows: pages of 4 chunks, 1 ms
+// apart: a WRITE takes at least 3 ms to place, and a request's 8 WRITEs
+// queue behind each other at decode's two NICs: far longer than ABORT and
+// its ACK (or a fence's notice) take to go round. Few requests: each is
+// slow.
+func (c *stressConfig) slowPages() {
+	c.pageSize, c.slice = 256<<10, 256<<10
+	c.delayUs = 1000
+	c.requests = requests(80, 40)
+}
+
 // checkProtectedRDMA: what a protected rdma row must show.
 func checkProtectedRDMA(t *testing.T, r *stressResult) {
 	t.Helper()
-	if bad, old := r.totalBad(); bad != 0 {
-		t.Errorf("%d corrupted bytes (%d of them an aborted request's pattern) with protection on; want 0", bad, old)
-	}
-	if r.notSafe != 0 {
-		t.Errorf("%d of %d aborts not Safe", r.notSafe, r.aborts)
-	}
+	checkAbortsProtected(t, r)
 	if r.outcomes[fateDuring][engine.Aborted.String()] == 0 {
 		t.Errorf("no abort struck a request while it was written (during: %v): the race this test is for never happened", r.outcomes[fateDuring])
 	}
@@ -204,37 +187,11 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 		deadline = 500 * time.Millisecond
 	}
 	pcfg := rdmaPrefill(t, prefillConfig{slice: slice, paths: 1, workers: 2, srcSize: size, noFence: row.noFence})
-	if err := warmUp(pcfg.decodeOptions()); err != nil {
-		t.Fatal(err)
-	}
-	g0 := runtime.NumGoroutine()
-	f0, _, err := processFDs()
-	if err != nil {
-		t.Fatal(err)
-	}
-	d, err := engine.New(pcfg.decodeOptions())
-	if err != nil {
-		t.Fatal(err)
-	}
-	closed := false
-	t.Cleanup(func() {
-		if !closed {
-			_ = d.Close()
-		}
-	})
-	mem, err := d.AllocBuffer(size+probeSize, "cpu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	freed := false
-	t.Cleanup(func() {
-		if !freed {
-			_ = d.FreeBuffer(engine.AddrOf(mem))
-		}
-	})
+	g0, f0, _ := leakBaseline(t, pcfg.decodeOptions())
+	d, closeDecode := newDecode(t, pcfg.decodeOptions())
+	mem, freeMem := allocDecode(t, d, size+probeSize)
 	slot, probe := mem[:size:size], mem[size:]
-	fakeverbs.SlowPlacement(t, delayUs)
-	pp := startPrefill(t, pcfg, d.Name())
+	pp := startSlowPrefill(t, pcfg, d, delayUs)
 
 	req := holder{tag: rid}
 	landed := func() int { return landedBytes(slot, req, 0) }
@@ -254,10 +211,8 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 	atStop := landed()
 	// The hazard: decode's NICs go on placing what the stopped prefill
 	// posted.
-	for end := time.Now().Add(2 * time.Second); landed() == atStop; time.Sleep(time.Millisecond) {
-		if time.Now().After(end) {
-			t.Fatalf("nothing more landed in 2s after SIGSTOP (%d of %d bytes): the stopped prefill's WRITEs should go on landing", atStop, size)
-		}
+	if !waitUntil(2*time.Second, time.Millisecond, func() bool { return landed() != atStop }) {
+		t.Fatalf("nothing more landed in 2s after SIGSTOP (%d of %d bytes): the stopped prefill's WRITEs should go on landing", atStop, size)
 	}
 	atAbort := landed()
 	t.Logf("SIGSTOP %v after the request, %d KiB landed; %d KiB when decode aborts", time.Since(start).Round(time.Millisecond), atStop>>10, atAbort>>10)
@@ -265,11 +220,7 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 		t.Fatalf("%d of %d bytes landed already: too little left in flight to test", atAbort, size)
 	}
 
-	ctx, cancel := context.WithTimeout(context.Background(), deadline)
-	defer cancel()
-	called := time.Now()
-	ar, err := d.Abort(ctx, rid, []string{pp.name})
-	took := time.Since(called)
+	ar, took, err := abortTimed(d, rid, pp.name, deadline)
 	afterAbort := landed()
 	t.Logf("Abort with the prefill stopped: safe %v, reason %v, acked %v, err %v, after %v; %d KiB landed when it returned",
 		ar.Safe, ar.Reason, ar.Acked, err, took.Round(time.Millisecond), afterAbort>>10)
@@ -292,12 +243,14 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 		if took < deadline-50*time.Millisecond {
 			t.Errorf("Abort gave up after %v, before its %v deadline", took, deadline)
 		}
-		// The slot is not reused: that is the point. Its bytes show why.
-		time.Sleep(300 * time.Millisecond)
-		if later := landed(); later == afterAbort {
-			t.Errorf("nothing landed in the 300 ms after the NotSafe abort (%d of %d bytes): the row shows nothing", later, size)
+		// The slot is not reused: that is the point. Its bytes show why:
+		// the stopped prefill's WRITEs go on landing after the abort.
+		notSafeAt := time.Now()
+		if !waitUntil(2*time.Second, time.Millisecond, func() bool { return landed() != afterAbort }) {
+			t.Errorf("nothing landed in the 2s after the NotSafe abort (%d of %d bytes): the row shows nothing", afterAbort, size)
 		} else {
-			t.Logf("the stopped prefill's WRITEs landed %d KiB more in the 300 ms after Abort returned NotSafe", (later-afterAbort)>>10)
+			t.Logf("the stopped prefill's WRITEs landed %d KiB more within %v of Abort returning NotSafe",
+				(landed()-afterAbort)>>10, time.Since(notSafeAt).Round(time.Millisecond))
 		}
 	} else {
 		// The fence needs no ACK: Safe, promptly.
@@ -311,9 +264,15 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 			t.Errorf("Abort took %v with the fence: the fence needs no round trip", took)
 		}
 		// Safe: the slot is decode's again at once. Had the fence not cut
-		// the prefill's WRITEs, they would land in the next 300 ms.
+		// the prefill's WRITEs, they would land in the next 300 ms: they
+		// were landing when decode aborted (more landed after SIGSTOP, see
+		// above), one 64 KiB chunk per delayUs on each NIC, and 300 ms is
+		// sixty such delays. This window only gives a late byte time to
+		// show; the request's end at the prefill (below, when it resumes)
+		// is the event after which none of its WRITEs can be in flight,
+		// and the slot is checked again then.
 		fillSlot(slot, mine, 0)
-		time.Sleep(300 * time.Millisecond)
+		time.Sleep(300 * time.Millisecond) // elapsed time in which a late WRITE would land
 		if dmg := checkSlot(slot, mine, 0, []holder{req}); dmg.bad != 0 {
 			t.Fatalf("the reused slot, 300 ms after a Safe abort with the prefill stopped: %d bytes overwritten (%d of them the aborted request's), first at byte %d: %#016x, want %#016x",
 				dmg.bad, dmg.old, dmg.at, dmg.got, dmg.exp)
@@ -348,19 +307,22 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 		}
 		t.Logf("prefill: %v", bye)
 	case syscall.SIGKILL:
-		select {
-		case <-pp.readerDone:
-		case <-time.After(10 * time.Second):
-			t.Fatal("killed prefill still running 10s later")
-		}
-		pp.waited = true
-		if err := pp.cmd.Wait(); err == nil || !strings.Contains(err.Error(), "killed") {
+		if err := pp.waitKilled(t); err == nil || !strings.Contains(err.Error(), "killed") {
 			t.Errorf("the prefill exited with %v; want killed", err)
 		}
 		// Decode still serves: a new prefill writes a new request.
 		pp2 := startPrefill(t, pcfg, d.Name())
 		sendProbe(t, pp2, rid+1, probe)
 		pp2.finish(t, 30*time.Second)
+	}
+	if !row.noFence {
+		// By now the aborted request ended at the resumed prefill, or its
+		// process is gone and a new prefill's request went through: no
+		// WRITE of it is in flight, so what the reused slot holds is final.
+		if dmg := checkSlot(slot, mine, 0, []holder{req}); dmg.bad != 0 {
+			t.Errorf("the reused slot, once the aborted request could no longer be in flight: %d bytes overwritten (%d of them the aborted request's), first at byte %d: %#016x, want %#016x",
+				dmg.bad, dmg.old, dmg.at, dmg.got, dmg.exp)
+		}
 	}
 
 	st := d.Stats()
@@ -385,22 +347,18 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 	}
 
 	// Close cuts every QP: the last check of the slot, then decode's leaks.
-	if err := d.Close(); err != nil {
+	if err := closeDecode(); err != nil {
 		t.Errorf("decode close: %v", err)
 	}
-	closed = true
 	if !row.noFence {
 		if dmg := checkSlot(slot, mine, 0, []holder{req}); dmg.bad != 0 {
 			t.Errorf("the reused slot at the end: %d bytes overwritten (%d of them the aborted request's)", dmg.bad, dmg.old)
 		}
 	}
-	if err := d.FreeBuffer(engine.AddrOf(mem)); err != nil {
+	if err := freeMem(); err != nil {
 		t.Error(err)
 	}
-	freed = true
-	if g, f := settled(g0, f0, 3*time.Second); g > g0 || f > f0 {
-		t.Errorf("decode leaked: goroutines %d -> %d, file descriptors %d -> %d", g0, g, f0, f)
-	}
+	checkLeaks(t, g0, f0)
 }
 
 // landedBytes counts the bytes of b in words that hold h's pattern for
@@ -408,7 +366,7 @@ func testRDMAStopped(t *testing.T, row stopRow) {
 func landedBytes(b []byte, h holder, layer int) int {
 	base, step := patternOf(h, layer)
 	n := 0
-	for _, v := range words(b) {
+	for _, v := range wordpattern.Words(b) {
 		if v == base {
 			n += 8
 		}
@@ -434,35 +392,28 @@ func TestRDMAFenceAbortLetsOtherRequestsComplete(t *testing.T) {
 		ridB    = 2    // not aborted
 	)
 	pcfg := rdmaPrefill(t, prefillConfig{slice: slice, paths: 1, workers: 2, srcSize: size})
-	d, err := engine.New(pcfg.decodeOptions())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.Close() })
-	mem, err := d.AllocBuffer(2*size, "cpu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.FreeBuffer(engine.AddrOf(mem)) })
+	d, _ := newDecode(t, pcfg.decodeOptions())
+	mem, _ := allocDecode(t, d, 2*size)
 	slotA, slotB := mem[:size:size], mem[size:]
-	fakeverbs.SlowPlacement(t, delayUs)
-	pp := startPrefill(t, pcfg, d.Name())
+	pp := startSlowPrefill(t, pcfg, d, delayUs)
 
 	landedA := func() int { return landedBytes(slotA, holder{tag: ridA}, 0) }
 	landedB := func() int { return landedBytes(slotB, holder{tag: ridB}, 0) }
 	waitLanding := func(rid uint64, landed func() int) {
-		for start := time.Now(); landed() == 0; time.Sleep(200 * time.Microsecond) {
-			if time.Since(start) > 30*time.Second {
-				t.Fatalf("request %d did not begin to land within 30s", rid)
-			}
+		if !waitUntil(30*time.Second, 200*time.Microsecond, func() bool { return landed() != 0 }) {
+			t.Fatalf("request %d did not begin to land within 30s", rid)
 		}
 	}
 	// B first: on each QP (first in, first executed) A's WRITEs wait
 	// behind B's, posted.
 	chB := pp.send(t, ridB, 0, 1, 1, size, []uint64{engine.AddrOf(slotB)})
 	waitLanding(ridB, landedB)
-	chA := pp.send(t, ridA, 0, 1, 1, size, []uint64{engine.AddrOf(slotA)})
-	time.Sleep(20 * time.Millisecond) // A's WRITEs posted
+	chA, plannedA := pp.sendPlanned(t, ridA, 0, 1, 1, size, []uint64{engine.AddrOf(slotA)})
+	select { // A's WRITEs submitted, behind B's
+	case <-plannedA:
+	case <-time.After(30 * time.Second):
+		t.Fatalf("the prefill did not plan request %d within 30s", ridA)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	abortAt := time.Now()
@@ -525,7 +476,8 @@ func TestRDMAFenceAbortLetsOtherRequestsComplete(t *testing.T) {
 	}
 	// The prefill acknowledges the abort (promise 2), and decode takes
 	// its ACK: the abort still waits for one (it resends ABORT until then).
-	time.Sleep(50 * time.Millisecond)
+	// An ACK reached decode already (firstAck); wait for it to be taken.
+	waitUntil(2*time.Second, time.Millisecond, func() bool { return d.Stats().AbortAcks >= 1 })
 	st := d.Stats()
 	t.Logf("decode: fences %d (pending %d), ABORT_ACKs %d (unmatched %d), ABORTs resent %d", st.RDMAFences, st.RDMAFencesPending, st.AbortAcks, st.AcksUnmatched, st.AbortResends)
 	if st.AbortAcks != 1 {

@@ -1,7 +1,6 @@
 package pd
 
 import (
-	"context"
 	"syscall"
 	"testing"
 	"time"
@@ -33,16 +32,8 @@ func testSignalAbort(t *testing.T, sig syscall.Signal) {
 		abortDeadline = 2 * time.Second
 		rid           = 1
 	)
-	d, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp", Testing: engine.Testing{ApplyDelay: applyDelay}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.Close() })
-	mem, err := d.AllocBuffer(size+probeSize, "cpu")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = d.FreeBuffer(engine.AddrOf(mem)) })
+	d, _ := newDecode(t, engine.Options{IgnoreEnv: true, Protocol: "tcp", Testing: engine.Testing{ApplyDelay: applyDelay}})
+	mem, _ := allocDecode(t, d, size+probeSize)
 	slot, probe := mem[:size:size], mem[size:]
 	pcfg := prefillConfig{slice: slice, paths: 1, workers: 2, srcSize: size}
 	pp := startPrefill(t, pcfg, d.Name())
@@ -66,11 +57,7 @@ func testSignalAbort(t *testing.T, sig syscall.Signal) {
 		t.Fatalf("%d of %d bytes already applied when the prefill was signaled: nothing left in flight to test", at.OwnerBytesIn, size)
 	}
 
-	ctx, cancel := context.WithTimeout(context.Background(), abortDeadline)
-	defer cancel()
-	called := time.Now()
-	ar, err := d.Abort(ctx, rid, []string{pp.name})
-	took := time.Since(called)
+	ar, took, err := abortTimed(d, rid, pp.name, abortDeadline)
 	t.Logf("Abort with the prefill %s: %+v, %v after %v", map[syscall.Signal]string{syscall.SIGSTOP: "stopped", syscall.SIGKILL: "killed"}[sig], ar, err, took)
 	if err != nil || !ar.Safe {
 		t.Fatalf("Abort = %+v, %v; want Safe", ar, err)
@@ -113,25 +100,19 @@ func testSignalAbort(t *testing.T, sig syscall.Signal) {
 			t.Errorf("prefill: %d tasks in flight at the end", bye["inflight"])
 		}
 	case syscall.SIGKILL:
-		select {
-		case <-pp.readerDone:
-		case <-time.After(10 * time.Second):
-			t.Fatal("killed prefill still running 10s later")
-		}
+		_ = pp.waitKilled(t)
 		// The pause: decode drains what the dead prefill left in its
 		// socket (each frame refused after its 20 ms apply delay). Wait
 		// until its counters stood still for a dozen apply delays.
 		var last engine.Stats
 		still := time.Now()
-		for end := time.Now().Add(20 * time.Second); time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
+		waitUntil(20*time.Second, 5*time.Millisecond, func() bool {
 			st := d.Stats()
 			if st.OwnerBytesIn != last.OwnerBytesIn || st.OwnerRefused != last.OwnerRefused {
 				last, still = st, time.Now()
 			}
-			if time.Since(still) > 12*applyDelay {
-				break
-			}
-		}
+			return time.Since(still) > 12*applyDelay
+		})
 		st := d.Stats()
 		// Refusals are likely but not certain here, so they are only
 		// logged: the kill closes the prefill's socket, and its kernel
@@ -175,4 +156,19 @@ func sendProbe(t *testing.T, pp *prefillProc, tag uint64, probe []byte) {
 	if dmg := checkSlot(probe, holder{tag: tag}, 0, nil); dmg.bad != 0 {
 		t.Errorf("probe request %d landed wrong: %d bad bytes", tag, dmg.bad)
 	}
+}
+
+// signal sends sig to the prefill; for SIGSTOP it waits until the process
+// is stopped, so that nothing it does afterwards can be mistaken for what
+// it did before.
+func (p *prefillProc) signal(t *testing.T, sig syscall.Signal) {
+	t.Helper()
+	p.proc.Signal(t, sig)
+}
+
+// waitKilled waits up to 10 s for the prefill, sent SIGKILL, to be gone
+// and returns how it exited.
+func (p *prefillProc) waitKilled(t *testing.T) error {
+	t.Helper()
+	return p.proc.WaitKilled(t, 10*time.Second)
 }
