@@ -1,8 +1,10 @@
 package engine_test
 
-// Second review of the fence by memory range (SAFETY.md promise 7): attacks
-// on the fixes of the first review. Each test fails on the code it was
-// written against, for the reason its comment gives.
+// The fence by memory range (SAFETY.md promise 7) against descriptors that
+// lag it: a cluster store that hands out the descriptor published once, a
+// descriptor fetch that overtakes the fence notice, and this engine's own
+// Submit whose plan waits on a descriptor fetch while it fences. Each test
+// failed before the protection its comment describes was built.
 
 import (
 	"bytes"
@@ -125,7 +127,7 @@ func (r *gatedResolver) Resolve(ctx context.Context, name string) (*control.Desc
 	return r.peer.Descriptor(), nil
 }
 
-// cancelOwnTasks (fix 3 of the first review) cancels only the tasks it
+// cancelOwnTasks cancels only the tasks it
 // finds listed in a live batch. A Submit called before Fence whose tasks
 // are not listed yet is missed: Batch.Submit plans (resolves remote keys,
 // which may fetch the descriptor again) before it stamps and lists its
