@@ -104,7 +104,14 @@ func TestAbortNamingTwoInitiatorsStopsBothAndSparesOtherRequests(t *testing.T) {
 	waitFor(t, 10*time.Second, "an ABORT_ACK from each initiator", func() bool {
 		return owner.Stats().AbortAcks-before.AbortAcks >= 2
 	})
-	time.Sleep(50 * time.Millisecond) // let any extra ACK arrive, to count it
+	// A Notify from each initiator to the owner travels behind any ACK it
+	// sent, and the owner's control loop handles them in order: once each
+	// Notify returned, an extra ACK would be counted.
+	for i, in := range inits {
+		if err := in.Notify(testCtx(t, 10*time.Second), segs[i], other, nil); err != nil {
+			t.Fatalf("initiator %d: notify: %v", i, err)
+		}
+	}
 	st := owner.Stats()
 	if n := st.AbortAcks - before.AbortAcks; n != 2 {
 		t.Errorf("owner counted %d ABORT_ACKs, want 2 (one per initiator)", n)

@@ -78,11 +78,7 @@ func TestAbortRefusesLaterWritesAndTellsTheInitiator(t *testing.T) {
 	} else {
 		t.Fatalf("write at the new generation: %v", err)
 	}
-	within(t, 5*time.Second, "ACK", func() {
-		for p.owner.Stats().AbortAcks == 0 {
-			time.Sleep(time.Millisecond)
-		}
-	})
+	waitFor(t, 5*time.Second, "ACK", func() bool { return p.owner.Stats().AbortAcks > 0 })
 }
 
 func TestNotifyArrivesAsEvent(t *testing.T) {

@@ -89,10 +89,9 @@ func TestCloseDuringSynchronousTransferEndsItCanceled(t *testing.T) {
 		res, err := a.Transfer(ctx, []engine.Request{write(src, seg, engine.AddrOf(dst), total)})
 		done <- outcome{res, err}
 	}()
-	deadline := time.Now().Add(10 * time.Second)
-	for a.Stats().TasksInFlight == 0 && a.Stats().TasksCompleted == 0 && time.Now().Before(deadline) {
-		time.Sleep(100 * time.Microsecond)
-	}
+	waitFor(t, 10*time.Second, "the transfer to start", func() bool {
+		return a.Stats().TasksInFlight > 0 || a.Stats().TasksCompleted > 0
+	})
 	within(t, 10*time.Second, "Close during a Transfer", func() { _ = a.Close() })
 	var o outcome
 	within(t, 5*time.Second, "Transfer after Close", func() { o = <-done })

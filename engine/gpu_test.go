@@ -198,7 +198,12 @@ func TestGPUStagingObeysAbort(t *testing.T) {
 	_ = d.Control("reset")
 	gpuWrite(t, d, 0, ownerGPU, bytes.Repeat([]byte{reusedByte}, n))
 	r := waitBatch(t, b, 30*time.Second)[0]
-	time.Sleep(100 * time.Millisecond)
+	// A staging copy still under way would land by the time the owner gave
+	// every staging buffer back and no stager runs.
+	waitFor(t, 10*time.Second, "the owner's staging copies to end", func() bool {
+		st := owner.Stats()
+		return st.StagingInUse == 0 && st.Stagers == 0
+	})
 	got := gpuRead(t, d, 0, ownerGPU)
 	if old := bytes.Count(got, []byte{oldByte}); old != 0 {
 		t.Fatalf("%d bytes of the aborted WRITE reached GPU memory after a Safe abort", old)

@@ -137,12 +137,17 @@ func TestUnmatchedAndMalformedAbortAcksAreDroppedAndCounted(t *testing.T) {
 		return counts{st.AbortAcks, st.AcksUnmatched, st.ControlDropped}
 	}
 	want := countsOf()
-	// step sends one message and waits until the counters are want.
-	step := func(what string, send func()) {
+	// step has from send one message and waits until the counters are
+	// want. Then a PING from the same sender: the owner's control loop
+	// handles one peer's messages in order, so once the PONG is back the
+	// message has had all its effects, and a counter moving twice shows.
+	pings := uint64(1000)
+	step := func(what string, from *fakeInitiator, send func()) {
 		t.Helper()
 		send()
 		waitFor(t, 10*time.Second, what, func() bool { return countsOf() == want })
-		time.Sleep(5 * time.Millisecond) // a counter moving twice would show now
+		pings++
+		from.ping(t, pings)
 		if got := countsOf(); got != want {
 			t.Fatalf("%s: counters %+v, want %+v", what, got, want)
 		}
@@ -158,19 +163,19 @@ func TestUnmatchedAndMalformedAbortAcksAreDroppedAndCounted(t *testing.T) {
 	f2.expectAbort(t, rid, gen)
 
 	want.unmatched++
-	step("ACK of a request never aborted", func() { f1.ack(t, 999, 1) })
+	step("ACK of a request never aborted", f1, func() { f1.ack(t, 999, 1) })
 	want.unmatched++
-	step("ACK of a generation never issued", func() { f1.ack(t, rid, gen+6) })
+	step("ACK of a generation never issued", f1, func() { f1.ack(t, rid, gen+6) })
 	want.unmatched++
-	step("ACK of an older generation", func() { f1.ack(t, rid, gen-1) })
+	step("ACK of an older generation", f1, func() { f1.ack(t, rid, gen-1) })
 	want.acks++
-	step("first ACK from f1", func() { f1.ack(t, rid, gen) })
+	step("first ACK from f1", f1, func() { f1.ack(t, rid, gen) })
 	want.unmatched++
-	step("duplicate ACK from f1 while f2 is awaited", func() { f1.ack(t, rid, gen) })
+	step("duplicate ACK from f1 while f2 is awaited", f1, func() { f1.ack(t, rid, gen) })
 	want.acks++
-	step("ACK from f2, the last awaited", func() { f2.ack(t, rid, gen) })
+	step("ACK from f2, the last awaited", f2, func() { f2.ack(t, rid, gen) })
 	want.unmatched++
-	step("duplicate ACK after every initiator acknowledged", func() { f2.ack(t, rid, gen) })
+	step("duplicate ACK after every initiator acknowledged", f2, func() { f2.ack(t, rid, gen) })
 
 	// Malformed: counted as dropped, never as an ACK.
 	good := control.AbortAck{RequestID: rid, Generation: gen, Outcome: control.AckDrained}.Encode()
@@ -197,7 +202,7 @@ func TestUnmatchedAndMalformedAbortAcksAreDroppedAndCounted(t *testing.T) {
 		{"four frames", [][]byte{env, good, good}},
 	} {
 		want.dropped++
-		step(m.what, func() { f1.sendFrames(t, m.frames...) })
+		step(m.what, f1, func() { f1.sendFrames(t, m.frames...) })
 	}
 
 	// A silent initiator gets the ABORT again until the deadline, then no
@@ -223,7 +228,7 @@ func TestUnmatchedAndMalformedAbortAcksAreDroppedAndCounted(t *testing.T) {
 	}
 	want = countsOf()
 	want.unmatched++
-	step("ACK after the abort's deadline", func() { f1.ack(t, late, res.Generation) })
+	step("ACK after the abort's deadline", f1, func() { f1.ack(t, late, res.Generation) })
 
 	// The owner still answers: the fake's PING, and a new engine's open and
 	// transfer.

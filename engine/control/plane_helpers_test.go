@@ -261,3 +261,23 @@ func await(t *testing.T, ch <-chan result) result {
 	}
 	return result{}
 }
+
+// waitingCtx is a context that tells, by closing waiting, when a caller
+// first asks for its Done channel: Plane.Request does so only once its
+// request is queued and it waits for the reply, so a test can cancel or
+// close while a Request is surely in flight.
+type waitingCtx struct {
+	context.Context
+	once    sync.Once
+	waiting chan struct{}
+}
+
+func newWaitingCtx(parent context.Context) *waitingCtx {
+	return &waitingCtx{Context: parent, waiting: make(chan struct{})}
+}
+
+// Done implements context.Context.
+func (c *waitingCtx) Done() <-chan struct{} {
+	c.once.Do(func() { close(c.waiting) })
+	return c.Context.Done()
+}

@@ -151,8 +151,9 @@ func TestPlaneRequestNobodyListening(t *testing.T) {
 		t.Fatalf("Request after a timed-out one: %v", err)
 	}
 	cctx, ccancel := context.WithCancel(context.Background())
-	go func() { time.Sleep(50 * time.Millisecond); ccancel() }()
-	if _, _, err := a.Request(cctx, peer, control.MsgPing, nil); !errors.Is(err, context.Canceled) {
+	wctx := newWaitingCtx(cctx)
+	go func() { <-wctx.waiting; ccancel() }() // cancel once the Request waits for its reply
+	if _, _, err := a.Request(wctx, peer, control.MsgPing, nil); !errors.Is(err, context.Canceled) {
 		t.Fatalf("cancelled Request: %v, want context.Canceled", err)
 	}
 }
@@ -164,11 +165,12 @@ func TestPlaneClose(t *testing.T) {
 	a.Start()
 	peer := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 	res := make(chan error, 1)
+	wctx := newWaitingCtx(context.Background()) // no deadline: only Close ends it
 	go func() {
-		_, _, err := a.Request(context.Background(), peer, control.MsgPing, nil) // no deadline: only Close ends it
+		_, _, err := a.Request(wctx, peer, control.MsgPing, nil)
 		res <- err
 	}()
-	time.Sleep(50 * time.Millisecond)
+	<-wctx.waiting // the Request is queued and waits for its reply
 	done := make(chan error, 1)
 	go func() { done <- a.Close() }()
 	select {
