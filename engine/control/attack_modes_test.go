@@ -61,17 +61,10 @@ func attackMultipart(target string) error {
 // rest until stdin closes.
 func attackConns(target string) error {
 	n, _ := strconv.Atoi(os.Getenv("KVFERRY_ATTACK_CONNS"))
-	dialer := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("127.0.0.2")}, Timeout: 5 * time.Second}
-	var conns []net.Conn
-	for i := 0; i < n; i++ {
-		c, err := dialer.Dial("tcp", target)
-		if err != nil {
-			return err
-		}
-		if _, err := c.Write(zmtpHello(fmt.Sprintf("10.0.0.%d:1", i))); err != nil {
-			return err
-		}
-		conns = append(conns, c)
+	dialer := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP("127.0.0.2")}, Timeout: 5 * time.Second}
+	conns, err := dialAll(dialer, target, n, func(i int) []byte { return zmtpHello(fmt.Sprintf("10.0.0.%d:1", i)) })
+	if err != nil {
+		return err
 	}
 	fmt.Println("OPENED", len(conns))
 	closed := 0
@@ -89,12 +82,7 @@ func attackConns(target string) error {
 			}
 		}
 	}
-	fmt.Println("CLOSED", closed)
-	waitStdin()
-	for _, c := range conns {
-		_ = c.Close()
-	}
-	return nil
+	return holdUntilStdin(conns, "CLOSED", closed)
 }
 
 // attackStall opens one connection that never completes the handshake and
@@ -139,39 +127,18 @@ func attackStall(target string) error {
 func attackUnread(target string) error {
 	n := envInt("KVFERRY_ATTACK_CONNS", 16)
 	reqs := envInt("KVFERRY_ATTACK_REQS", 3000)
-	dialer := net.Dialer{Timeout: 5 * time.Second, Control: func(_, _ string, rc syscall.RawConn) error {
-		var serr error
-		err := rc.Control(func(fd uintptr) { serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096) })
-		if err != nil {
-			return err
-		}
-		return serr
-	}}
 	var req []byte
 	for i := 0; i < reqs; i++ {
 		req = append(req, 0x00, 16)
 		req = append(req, control.EncodeEnvelope(control.Envelope{Type: control.MsgGetDescriptor, Corr: uint64(i + 1)})...)
 	}
-	var conns []net.Conn
-	for i := 0; i < n; i++ {
-		c, err := dialer.Dial("tcp", target)
-		if err != nil {
-			return err
-		}
-		if _, err := c.Write(zmtpHello(fmt.Sprintf("10.1.0.%d:1", i+1))); err != nil {
-			return err
-		}
-		if _, err := c.Write(req); err != nil {
-			return err
-		}
-		conns = append(conns, c)
+	conns, err := dialAll(tinyReceiveBuffer(), target, n, func(i int) []byte {
+		return append(zmtpHello(fmt.Sprintf("10.1.0.%d:1", i+1)), req...)
+	})
+	if err != nil {
+		return err
 	}
-	fmt.Println("SENT", n*reqs)
-	waitStdin()
-	for _, c := range conns {
-		_ = c.Close()
-	}
-	return nil
+	return holdUntilStdin(conns, "SENT", n*reqs)
 }
 
 // attackBudgetHold opens KVFERRY_ATTACK_CONNS connections; on each it sends
@@ -179,26 +146,15 @@ func attackUnread(target string) error {
 // frame, then nothing. It prints HELD and keeps them until stdin closes.
 func attackBudgetHold(target string) error {
 	n := envInt("KVFERRY_ATTACK_CONNS", 8)
-	var conns []net.Conn
-	for i := 0; i < n; i++ {
-		c, err := net.Dial("tcp", target)
-		if err != nil {
-			return err
-		}
+	conns, err := dialAll(&net.Dialer{}, target, n, func(i int) []byte {
 		msg := append(zmtpHello(fmt.Sprintf("10.2.0.%d:1", i+1)), 0x01, 16)
 		msg = append(msg, control.EncodeEnvelope(control.Envelope{Type: control.MsgPing, Corr: 1})...)
-		msg = append(msg, longFrameHeader(control.MaxBody, false)...)
-		if _, err := c.Write(msg); err != nil {
-			return err
-		}
-		conns = append(conns, c)
+		return append(msg, longFrameHeader(control.MaxBody, false)...)
+	})
+	if err != nil {
+		return err
 	}
-	fmt.Println("HELD", n)
-	waitStdin()
-	for _, c := range conns {
-		_ = c.Close()
-	}
-	return nil
+	return holdUntilStdin(conns, "HELD", n)
 }
 
 // attackFlood opens KVFERRY_ATTACK_CONNS connections and writes PING
@@ -212,16 +168,9 @@ func attackFlood(target string) error {
 		burst = append(burst, 0x00, 16)
 		burst = append(burst, control.EncodeEnvelope(control.Envelope{Type: control.MsgPing, Corr: uint64(i + 1)})...)
 	}
-	var conns []net.Conn
-	for i := 0; i < n; i++ {
-		c, err := net.Dial("tcp", target)
-		if err != nil {
-			return err
-		}
-		if _, err := c.Write(zmtpHello(fmt.Sprintf("10.3.0.%d:1", i+1))); err != nil {
-			return err
-		}
-		conns = append(conns, c)
+	conns, err := dialAll(&net.Dialer{}, target, n, func(i int) []byte { return zmtpHello(fmt.Sprintf("10.3.0.%d:1", i+1)) })
+	if err != nil {
+		return err
 	}
 	for _, c := range conns {
 		go func() { _, _ = io.Copy(io.Discard, c) }() // read the answers, as a real client would
@@ -233,12 +182,7 @@ func attackFlood(target string) error {
 			}
 		}()
 	}
-	fmt.Println("FLOODING")
-	waitStdin()
-	for _, c := range conns {
-		_ = c.Close()
-	}
-	return nil
+	return holdUntilStdin(conns, "FLOODING")
 }
 
 // attackClaim connects once with the identity KVFERRY_ATTACK_NAME, waits
@@ -269,14 +213,6 @@ func attackClaim(target string) error {
 // It prints SENT and holds the connections until stdin closes.
 func attackZombie(target string) error {
 	n := envInt("KVFERRY_ATTACK_CONNS", 32)
-	dialer := net.Dialer{Timeout: 5 * time.Second, Control: func(_, _ string, rc syscall.RawConn) error {
-		var serr error
-		err := rc.Control(func(fd uintptr) { serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096) })
-		if err != nil {
-			return err
-		}
-		return serr
-	}}
 	var pings []byte
 	for i := 0; i < 3000; i++ {
 		pings = append(pings, 0x01, 16)
@@ -284,23 +220,13 @@ func attackZombie(target string) error {
 		pings = append(pings, longFrameHeader(8<<10, false)...)
 		pings = append(pings, make([]byte, 8<<10)...)
 	}
-	var conns []net.Conn
-	for i := 0; i < n; i++ {
-		c, err := dialer.Dial("tcp", target)
-		if err != nil {
-			return err
-		}
-		if _, err := c.Write(append(append(zmtpHello(fmt.Sprintf("10.4.0.%d:1", i+1)), pings...), 0x80, 0)); err != nil {
-			return err
-		}
-		conns = append(conns, c)
+	conns, err := dialAll(tinyReceiveBuffer(), target, n, func(i int) []byte {
+		return append(append(zmtpHello(fmt.Sprintf("10.4.0.%d:1", i+1)), pings...), 0x80, 0)
+	})
+	if err != nil {
+		return err
 	}
-	fmt.Println("SENT", n)
-	waitStdin()
-	for _, c := range conns {
-		_ = c.Close()
-	}
-	return nil
+	return holdUntilStdin(conns, "SENT", n)
 }
 
 // attackHangup opens KVFERRY_ATTACK_CONNS connections one after the other;
@@ -323,5 +249,47 @@ func attackHangup(target string) error {
 	}
 	fmt.Println("DONE", n)
 	waitStdin()
+	return nil
+}
+
+// tinyReceiveBuffer is a dialer whose connections have a 4 KiB receive
+// buffer: replies the attacker never reads fill it at once, and the target's
+// send queue for the connection next.
+func tinyReceiveBuffer() *net.Dialer {
+	return &net.Dialer{Timeout: 5 * time.Second, Control: func(_, _ string, rc syscall.RawConn) error {
+		var serr error
+		err := rc.Control(func(fd uintptr) { serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096) })
+		if err != nil {
+			return err
+		}
+		return serr
+	}}
+}
+
+// dialAll opens n connections to target with d and writes msg(i) on the
+// i-th.
+func dialAll(d *net.Dialer, target string, n int, msg func(i int) []byte) ([]net.Conn, error) {
+	var conns []net.Conn
+	for i := 0; i < n; i++ {
+		c, err := d.Dial("tcp", target)
+		if err != nil {
+			return conns, err
+		}
+		conns = append(conns, c)
+		if _, err := c.Write(msg(i)); err != nil {
+			return conns, err
+		}
+	}
+	return conns, nil
+}
+
+// holdUntilStdin prints line, the attacker's report to the test, and holds
+// conns until stdin closes.
+func holdUntilStdin(conns []net.Conn, line ...any) error {
+	fmt.Println(line...)
+	waitStdin()
+	for _, c := range conns {
+		_ = c.Close()
+	}
 	return nil
 }

@@ -157,34 +157,24 @@ func longFrameHeader(n uint64, more bool) []byte {
 }
 
 // rss returns the process's resident set (VmRSS) in bytes.
-func rss(t *testing.T) uint64 {
-	t.Helper()
-	b, err := os.ReadFile("/proc/self/status")
-	must(t, err)
-	for _, l := range strings.Split(string(b), "\n") {
-		if strings.HasPrefix(l, "VmRSS:") {
-			kb, err := strconv.ParseUint(strings.Fields(l)[1], 10, 64)
-			must(t, err)
-			return kb << 10
-		}
-	}
-	t.Fatal("no VmRSS in /proc/self/status")
-	return 0
-}
+func rss(t *testing.T) uint64 { return procStatusBytes(t, "VmRSS") }
 
 // peakRSS returns the process's peak resident set (VmHWM) in bytes.
-func peakRSS(t *testing.T) uint64 {
+func peakRSS(t *testing.T) uint64 { return procStatusBytes(t, "VmHWM") }
+
+// procStatusBytes returns field of /proc/self/status (a size in kB) in bytes.
+func procStatusBytes(t *testing.T, field string) uint64 {
 	t.Helper()
 	b, err := os.ReadFile("/proc/self/status")
 	must(t, err)
 	for _, l := range strings.Split(string(b), "\n") {
-		if strings.HasPrefix(l, "VmHWM:") {
+		if strings.HasPrefix(l, field+":") {
 			kb, err := strconv.ParseUint(strings.Fields(l)[1], 10, 64)
 			must(t, err)
 			return kb << 10
 		}
 	}
-	t.Fatal("no VmHWM in /proc/self/status")
+	t.Fatalf("no %s in /proc/self/status", field)
 	return 0
 }
 
