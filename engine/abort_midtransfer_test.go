@@ -67,16 +67,7 @@ func TestAbortMidReadNeverSendsReusedMemory(t *testing.T) {
 		r, _ := b.Status(0)
 		return p.owner.Stats().OwnerBytesOut > 0 || r.Status.Final()
 	})
-	var res engine.AbortResult
-	took := within(t, 10*time.Second, "Abort", func() {
-		var err error
-		if res, err = p.owner.Abort(testCtx(t, 5*time.Second), rid, []string{p.init.Name()}); err != nil {
-			t.Errorf("abort: %v", err)
-		}
-	})
-	if !res.Safe {
-		t.Fatalf("abort = %+v", res)
-	}
+	took := p.requireSafeAbort(t, rid)
 	fillByte(p.dst, reusedByte)
 	r := waitBatch(t, b, 60*time.Second)[0]
 	t.Logf("Abort took %v; task %v after %d of %d bytes", took, r.Status, r.Transferred, size)
@@ -120,16 +111,7 @@ func TestAbortMidWriteFencesTheReusedRangeAndUnsafeAbortDoesNot(t *testing.T) {
 			b := submit(t, p.init, withRID(write(p.src, p.seg, engine.AddrOf(p.dst), size), rid, 0))
 			waitFor(t, 30*time.Second, "first frame applied", func() bool { return p.owner.Stats().OwnerBytesIn > 0 })
 
-			var res engine.AbortResult
-			took := within(t, 10*time.Second, "Abort", func() {
-				var err error
-				if res, err = p.owner.Abort(testCtx(t, 5*time.Second), rid, []string{p.init.Name()}); err != nil {
-					t.Errorf("abort: %v", err)
-				}
-			})
-			if !res.Safe {
-				t.Fatalf("abort = %+v; want Safe", res)
-			}
+			took := p.requireSafeAbort(t, rid)
 			start := time.Now()
 			fillByte(p.dst, reusedByte)
 			fillTook := time.Since(start)

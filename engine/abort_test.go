@@ -38,6 +38,24 @@ func newAbortPair(t *testing.T, opts engine.Options, size int) *abortPair {
 	return p
 }
 
+// requireSafeAbort has p's owner abort request rid naming p's initiator,
+// and fails the test unless Abort returns within 10 s and reports Safe. It
+// returns how long Abort took.
+func (p *abortPair) requireSafeAbort(t *testing.T, rid uint64) time.Duration {
+	t.Helper()
+	var res engine.AbortResult
+	took := within(t, 10*time.Second, "Abort", func() {
+		var err error
+		if res, err = p.owner.Abort(testCtx(t, 5*time.Second), rid, []string{p.init.Name()}); err != nil {
+			t.Errorf("abort: %v", err)
+		}
+	})
+	if !res.Safe {
+		t.Fatalf("abort = %+v; want Safe", res)
+	}
+	return took
+}
+
 func TestAbortRefusesLaterWritesAndTellsTheInitiator(t *testing.T) {
 	p := newAbortPair(t, engine.Options{}, 4<<20)
 	fillByte(p.src, 0xAA)

@@ -15,6 +15,30 @@ import (
 	"github.com/kvferry/kvferry/engine"
 )
 
+// newEngine starts a tcp engine with default options (IgnoreEnv) and
+// closes it when the test ends.
+func newEngine(t *testing.T) *engine.Engine {
+	t.Helper()
+	e, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp"})
+	if err != nil {
+		t.Fatalf("new engine: %v", err)
+	}
+	t.Cleanup(func() { _ = e.Close() })
+	return e
+}
+
+// alloc allocates n bytes of registered host memory at e, freed when the
+// test ends.
+func alloc(t *testing.T, e *engine.Engine, n int) []byte {
+	t.Helper()
+	b, err := e.AllocBuffer(n, "cpu")
+	if err != nil {
+		t.Fatalf("alloc: %v", err)
+	}
+	t.Cleanup(func() { _ = e.FreeBuffer(engine.AddrOf(b)) })
+	return b
+}
+
 // newEngineWith starts an engine with opts (IgnoreEnv forced) and closes it
 // when the test ends. Its transport is tcp unless opts names one: tests
 // that state tcp's properties must hold on a machine with RDMA devices

@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -450,5 +451,30 @@ func TestInvalidArgumentsGiveMatchableErrors(t *testing.T) {
 				t.Errorf("%d registrations, want 1", n)
 			}
 		})
+	}
+}
+
+// An absurd length is refused before anything is allocated for it: a
+// request of 2^50 bytes (or 1 TiB) outside any registration is an error
+// value, not slice records for every MiB of it (which would end the
+// process with "out of memory", which no recover catches).
+func TestAbsurdLengthsAreRefusedBeforeAllocating(t *testing.T) {
+	owner := newEngineWith(t, engine.Options{})
+	init := newEngineWith(t, engine.Options{})
+	dst, src := alloc(t, owner, 1<<20), alloc(t, init, 1<<20)
+	seg := openSegment(t, init, owner.Name())
+	for _, n := range []uint64{1 << 40, 1 << 50} {
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		_, err := init.Transfer(testCtx(t, 10*time.Second), []engine.Request{{Op: engine.Write, Local: engine.AddrOf(src), Segment: seg, Remote: engine.AddrOf(dst), Length: n}})
+		runtime.ReadMemStats(&after)
+		if !errors.Is(err, engine.ErrNotRegistered) && !errors.Is(err, engine.ErrInvalidArg) && !errors.Is(err, engine.ErrOutOfBounds) {
+			t.Errorf("a WRITE of %d bytes from a 1 MiB registration: %v; want it refused as not registered", n, err)
+		}
+		// The old code allocated 168 MiB for 2^40 bytes (and died for 2^50);
+		// 16 MiB leaves room for what the engines' own goroutines allocate.
+		if grew := after.TotalAlloc - before.TotalAlloc; grew > 16<<20 {
+			t.Errorf("refusing a WRITE of %d bytes allocated %d bytes first", n, grew)
+		}
 	}
 }
