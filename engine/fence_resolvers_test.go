@@ -68,10 +68,7 @@ func TestFenceAStaleStoreDoesNotMakeTheFencedPagesUnwritable(t *testing.T) {
 	fillByte(src, oldByte)
 	old := submit(t, init, write(src, seg, engine.AddrOf(dst), size))
 	waitFor(t, 10*time.Second, "first bytes landed", func() bool { return bytes.IndexByte(dst, oldByte) >= 0 })
-	res, err := owner.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(dst), Len: size}})
-	if err != nil || !res.Safe {
-		t.Fatalf("fence = %+v, %v; want Safe", res, err)
-	}
+	res := requireSafeFence(t, owner, dst)
 	t.Logf("fence epoch %d told %v acked %v", res.Epoch, res.Told, res.Acked)
 	got := waitBatch(t, old, 60*time.Second)[0]
 	t.Logf("old WRITE: %v after %d bytes (%v)", got.Status, got.Transferred, got.Err)
@@ -250,10 +247,7 @@ func TestFenceADescriptorOvertakenByTheNoticeDoesNotUndoIt(t *testing.T) {
 	}()
 	<-late.fetched // the descriptor is read, fence epoch 0
 
-	res, err := owner.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(dst), Len: size}})
-	if err != nil || !res.Safe {
-		t.Fatalf("fence = %+v, %v; want Safe", res, err)
-	}
+	res := requireSafeFence(t, owner, dst)
 	if err := <-wrote; err != nil {
 		t.Fatalf("the WRITE into other pages: %v", err)
 	}
