@@ -359,15 +359,7 @@ func TestLargeSliceOnLinkAboveMinRateCompletes(t *testing.T) {
 			for i := range ownerMem {
 				ownerMem[i], localMem[i] = 1, 2
 			}
-			ownerReg := memory.NewRegistry()
-			oregs, err := ownerReg.Register([]memory.Range{{Mem: ownerMem}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			lregs, err := memory.NewRegistry().Register([]memory.Range{{Mem: localMem}})
-			if err != nil {
-				t.Fatal(err)
-			}
+			ownerReg, oregion, lregion := transporttest.Register(t, ownerMem, localMem)
 			srv, addr := ownerWith(t, opts, transporttest.NewOwner(ownerReg))
 			proxy := shapedProxy(t, addr, linkRate, op == transport.Write)
 			init := tcp.New(opts)
@@ -378,7 +370,7 @@ func TestLargeSliceOnLinkAboveMinRateCompletes(t *testing.T) {
 			}
 			done := make(chan error, 1)
 			start := time.Now()
-			ep.Post([]*transport.Slice{{Op: op, Local: localMem, LocalReg: lregs[0], Key: oregs[0].Key,
+			ep.Post([]*transport.Slice{{Op: op, Local: localMem, LocalReg: lregion, Key: oregion.Key,
 				Remote: memory.AddrOf(ownerMem), Done: func(_ *transport.Slice, err error) { done <- err }}})
 			var werr error
 			select {
