@@ -29,7 +29,7 @@ func newEngine(t *testing.T) *engine.Engine {
 
 // alloc allocates n bytes of registered host memory at e, freed when the
 // test ends.
-func alloc(t *testing.T, e *engine.Engine, n int) []byte {
+func alloc(t testing.TB, e *engine.Engine, n int) []byte {
 	t.Helper()
 	b, err := e.AllocBuffer(n, "cpu")
 	if err != nil {
@@ -43,7 +43,7 @@ func alloc(t *testing.T, e *engine.Engine, n int) []byte {
 // when the test ends. Its transport is tcp unless opts names one: tests
 // that state tcp's properties must hold on a machine with RDMA devices
 // too, where "auto" would pick rdma.
-func newEngineWith(t *testing.T, opts engine.Options) *engine.Engine {
+func newEngineWith(t testing.TB, opts engine.Options) *engine.Engine {
 	t.Helper()
 	opts.IgnoreEnv = true
 	if opts.Protocol == "" {
