@@ -19,17 +19,7 @@ func TestCloseWithBatchInFlightCancelsAndReturns(t *testing.T) {
 	src, dst := alloc(t, a, total), alloc(t, b, total)
 	fillPattern(src, 4)
 	seg := openSegment(t, a, b.Name())
-	batch, err := a.AllocateBatch(total / blk)
-	if err != nil {
-		t.Fatal(err)
-	}
-	reqs := make([]engine.Request, total/blk)
-	for i := range reqs {
-		reqs[i] = write(src[i*blk:], seg, engine.AddrOf(dst)+uint64(i*blk), blk)
-	}
-	if err := batch.Submit(testCtx(t, time.Minute), reqs); err != nil {
-		t.Fatal(err)
-	}
+	batch, reqs := submitBlocks(t, a, engine.Write, src, seg, engine.AddrOf(dst), blk)
 	took := within(t, 10*time.Second, "Close with a batch in flight", func() {
 		if err := a.Close(); err != nil {
 			t.Errorf("close: %v", err)
@@ -118,18 +108,7 @@ func TestClosingTheTargetMidTransferFailsInitiatorTasks(t *testing.T) {
 			a, b := newEngine(t), newEngine(t)
 			local, remote := alloc(t, a, total), alloc(t, b, total)
 			seg := openSegment(t, a, b.Name())
-			batch, err := a.AllocateBatch(total / blk)
-			if err != nil {
-				t.Fatal(err)
-			}
-			reqs := make([]engine.Request, total/blk)
-			for i := range reqs {
-				reqs[i] = engine.Request{Op: op, Local: engine.AddrOf(local) + uint64(i*blk), Segment: seg,
-					Remote: engine.AddrOf(remote) + uint64(i*blk), Length: blk}
-			}
-			if err := batch.Submit(testCtx(t, time.Minute), reqs); err != nil {
-				t.Fatal(err)
-			}
+			batch, reqs := submitBlocks(t, a, op, local, seg, engine.AddrOf(remote), blk)
 			closeTook := within(t, 10*time.Second, "target Close", func() { _ = b.Close() })
 			t.Logf("target Close took %v", closeTook)
 			took := within(t, 20*time.Second, "initiator Wait after the target closed", func() {
@@ -280,4 +259,24 @@ func TestUnregisterOrCloseMidTransferStopsEveryLaterByte(t *testing.T) {
 			})
 		}
 	}
+}
+
+// submitBlocks has e submit, in one batch, one request of op per blk bytes
+// of local, each to the same offset from remote in seg; it returns the
+// batch and the requests.
+func submitBlocks(t *testing.T, e *engine.Engine, op engine.Op, local []byte, seg *engine.Segment, remote uint64, blk int) (*engine.Batch, []engine.Request) {
+	t.Helper()
+	reqs := make([]engine.Request, len(local)/blk)
+	for i := range reqs {
+		reqs[i] = engine.Request{Op: op, Local: engine.AddrOf(local) + uint64(i*blk), Segment: seg,
+			Remote: remote + uint64(i*blk), Length: uint64(blk)}
+	}
+	batch, err := e.AllocateBatch(len(reqs))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := batch.Submit(testCtx(t, time.Minute), reqs); err != nil {
+		t.Fatal(err)
+	}
+	return batch, reqs
 }
