@@ -42,29 +42,22 @@ func Run(t *testing.T, f Factory) {
 			t.Errorf("%d slice state moves the state table refuses", n)
 		}
 	})
-	t.Run("transfers", func(t *testing.T) { runTransfers(t, f) })
-	t.Run("refusals", func(t *testing.T) { runRefusals(t, f) })
-	t.Run("unregistering owner memory during a large WRITE stops it before Unregister returns", func(t *testing.T) {
-		testUnregisterInFlight(t, f)
-	})
-	t.Run("unregistering initiator memory during a large READ stops it before Unregister returns", func(t *testing.T) {
-		testUnregisterLocalInFlight(t, f)
-	})
-	t.Run("TryCancel of queued slices keeps them from ending and from touching memory", func(t *testing.T) {
-		testTryCancelQueued(t, f)
-	})
-	t.Run("Abort with slices queued and in flight fails each of them exactly once", func(t *testing.T) {
-		testAbortQueuedAndInFlight(t, f)
-	})
-	t.Run("slices failed by Abort can be reset and posted again on a fresh endpoint", func(t *testing.T) {
-		testRepostAfterAbort(t, f)
-	})
-	t.Run("Abort from several goroutines during a busy stream ends every slice exactly once and stops touching memory", func(t *testing.T) {
-		testAbortBusyStream(t, f)
-	})
-	t.Run("Abort returns promptly while the path is busy sending a long Post", func(t *testing.T) {
-		testAbortLongPost(t, f)
-	})
+	for _, c := range []struct {
+		name string
+		run  func(*testing.T, Factory)
+	}{
+		{"transfers", runTransfers},
+		{"refusals", runRefusals},
+		{"unregistering owner memory during a large WRITE stops it before Unregister returns", testUnregisterInFlight},
+		{"unregistering initiator memory during a large READ stops it before Unregister returns", testUnregisterLocalInFlight},
+		{"TryCancel of queued slices keeps them from ending and from touching memory", testTryCancelQueued},
+		{"Abort with slices queued and in flight fails each of them exactly once", testAbortQueuedAndInFlight},
+		{"slices failed by Abort can be reset and posted again on a fresh endpoint", testRepostAfterAbort},
+		{"Abort from several goroutines during a busy stream ends every slice exactly once and stops touching memory", testAbortBusyStream},
+		{"Abort returns promptly while the path is busy sending a long Post", testAbortLongPost},
+	} {
+		t.Run(c.name, func(t *testing.T) { c.run(t, f) })
+	}
 }
 
 // Environment: registries, buffers with guard bytes, tracked slices.
