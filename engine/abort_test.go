@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -34,6 +36,24 @@ func newAbortPair(t *testing.T, opts engine.Options, size int) *abortPair {
 	})
 	p.seg = openSegment(t, p.init, p.owner.Name())
 	return p
+}
+
+// requireSafeAbort has p's owner abort request rid naming p's initiator,
+// and fails the test unless Abort returns within 10 s and reports Safe. It
+// returns how long Abort took.
+func (p *abortPair) requireSafeAbort(t *testing.T, rid uint64) time.Duration {
+	t.Helper()
+	var res engine.AbortResult
+	took := within(t, 10*time.Second, "Abort", func() {
+		var err error
+		if res, err = p.owner.Abort(testCtx(t, 5*time.Second), rid, []string{p.init.Name()}); err != nil {
+			t.Errorf("abort: %v", err)
+		}
+	})
+	if !res.Safe {
+		t.Fatalf("abort = %+v; want Safe", res)
+	}
+	return took
 }
 
 func TestAbortRefusesLaterWritesAndTellsTheInitiator(t *testing.T) {
@@ -76,11 +96,7 @@ func TestAbortRefusesLaterWritesAndTellsTheInitiator(t *testing.T) {
 	} else {
 		t.Fatalf("write at the new generation: %v", err)
 	}
-	within(t, 5*time.Second, "ACK", func() {
-		for p.owner.Stats().AbortAcks == 0 {
-			time.Sleep(time.Millisecond)
-		}
-	})
+	waitFor(t, 5*time.Second, "ACK", func() bool { return p.owner.Stats().AbortAcks > 0 })
 }
 
 func TestNotifyArrivesAsEvent(t *testing.T) {
@@ -133,5 +149,115 @@ func TestOpenSegmentWhereNothingListensFailsAtOnce(t *testing.T) {
 	}
 	if d := time.Since(start); d > 5*time.Second {
 		t.Errorf("open %s took %v: waited for the deadline", name, d)
+	}
+}
+
+// Abort refuses request id 0, names that are not segment names and more
+// than MaxAbortInitiators initiators; without initiators it is Safe on tcp
+// and bumps the generation each time; after Close it is ErrClosed.
+func TestAbortArgumentsAndClosedEngine(t *testing.T) {
+	e := newEngineWith(t, engine.Options{})
+	ctx := testCtx(t, 10*time.Second)
+	many := make([]string, engine.MaxAbortInitiators+1)
+	for i := range many {
+		many[i] = fmt.Sprintf("127.0.0.1:%d", 1000+i)
+	}
+	for _, c := range []struct {
+		what  string
+		rid   uint64
+		names []string
+	}{
+		{"request id 0", 0, nil},
+		{"a name without a port", 1, []string{"nohost"}},
+		{"an empty name", 1, []string{""}},
+		{"a name of 256 bytes", 1, []string{strings.Repeat("h", 251) + ":1234"}},
+		{"a bad name after a good one", 1, []string{"127.0.0.1:1", "x"}},
+		{fmt.Sprintf("%d initiators", len(many)), 1, many},
+	} {
+		res, err := e.Abort(ctx, c.rid, c.names)
+		if !errors.Is(err, engine.ErrInvalidArg) {
+			t.Errorf("abort with %s: %+v, %v; want ErrInvalidArg", c.what, res, err)
+		}
+	}
+	if st := e.Stats(); st.Tombstones != 0 || st.AbortsSafe != 0 || st.AbortsNotSafe != 0 {
+		t.Errorf("refused aborts left state: %+v", st)
+	}
+	for gen := uint32(1); gen <= 2; gen++ {
+		res, err := e.Abort(ctx, 1, nil)
+		if err != nil || !res.Safe || res.Reason != nil || res.Generation != gen || len(res.Acked) != 0 {
+			t.Errorf("abort %d without initiators = %+v, %v; want Safe at generation %d", gen, res, err, gen)
+		}
+	}
+	if st := e.Stats(); st.Tombstones != 1 || st.AbortsSafe != 2 {
+		t.Errorf("after two aborts of one request: %d tombstones, %d safe", st.Tombstones, st.AbortsSafe)
+	}
+	if err := e.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.Abort(ctx, 1, nil); !errors.Is(err, engine.ErrClosed) {
+		t.Errorf("abort after Close: %v, want ErrClosed", err)
+	}
+	if _, err := e.Grant("127.0.0.1:1", 1, []engine.GrantRange{{Addr: 4096, Len: 4096}}); !errors.Is(err, engine.ErrClosed) {
+		t.Errorf("grant after Close: %v, want ErrClosed", err)
+	}
+	if err := e.Revoke(ctx, 1); !errors.Is(err, engine.ErrClosed) {
+		t.Errorf("revoke after Close: %v, want ErrClosed", err)
+	}
+}
+
+// Abort with a deadline far shorter than the transfer in flight (1 ms, or
+// already past) returns by it plus a generous bound (a hang is the bug, not
+// slowness). It may report Safe, and then the reused range stays intact, or
+// not Safe with ErrTimeout; never Safe early.
+func TestAbortWithATinyDeadlineReturnsByIt(t *testing.T) {
+	size := 256 << 20
+	if testing.Short() {
+		size = 64 << 20
+	}
+	const bound = time.Second
+	for _, tc := range []struct {
+		name   string
+		expiry time.Duration // relative to the call; <= 0: already expired
+	}{{"1ms", time.Millisecond}, {"expired", -time.Second}} {
+		t.Run(tc.name, func(t *testing.T) {
+			const rid = 909
+			p := newAbortPair(t, engine.Options{}, size)
+			fillByte(p.src, oldByte)
+			b := submit(t, p.init, withRID(write(p.src, p.seg, engine.AddrOf(p.dst), size), rid, 0))
+			waitFor(t, 30*time.Second, "first bytes applied", func() bool {
+				r, _ := b.Status(0)
+				return p.owner.Stats().OwnerBytesIn > 0 || r.Status.Final()
+			})
+			start := time.Now()
+			deadline := start.Add(tc.expiry)
+			ctx, cancel := context.WithDeadline(context.Background(), deadline)
+			defer cancel()
+			var res engine.AbortResult
+			var err error
+			within(t, 30*time.Second, "Abort", func() { res, err = p.owner.Abort(ctx, rid, []string{p.init.Name()}) })
+			// Past the deadline, or past the call for a deadline already gone.
+			late := time.Since(deadline)
+			if deadline.Before(start) {
+				late = time.Since(start)
+			}
+			t.Logf("Abort returned %v after its deadline: safe %v, reason %v", late, res.Safe, res.Reason)
+			if err != nil {
+				t.Fatalf("abort: %v", err)
+			}
+			if late > bound {
+				t.Errorf("Abort returned %v after its deadline (bound %v): a sync call must return by its deadline", late, bound)
+			}
+			if !res.Safe {
+				if !errors.Is(res.Reason, engine.ErrTimeout) {
+					t.Errorf("not safe with reason %v, want ErrTimeout", res.Reason)
+				}
+				waitBatch(t, b, 60*time.Second)
+				return
+			}
+			fillByte(p.dst, reusedByte)
+			r := waitBatch(t, b, 60*time.Second)[0]
+			t.Logf("task %v after %d bytes", r.Status, r.Transferred)
+			requireAll(t, "range reused after Safe", p.dst, reusedByte)
+		})
 	}
 }

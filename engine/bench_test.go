@@ -15,28 +15,8 @@ import (
 // its buffer address, for n bytes on each side.
 func benchPair(b *testing.B, opts engine.Options, n int) (*engine.Engine, []byte, *engine.Segment, uint64) {
 	b.Helper()
-	opts.IgnoreEnv = true
-	if opts.Protocol == "" {
-		opts.Protocol = "tcp"
-	}
-	a, err := engine.New(opts)
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { _ = a.Close() })
-	t, err := engine.New(opts)
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { _ = t.Close() })
-	src, err := a.AllocBuffer(n, "cpu")
-	if err != nil {
-		b.Fatal(err)
-	}
-	dst, err := t.AllocBuffer(n, "cpu")
-	if err != nil {
-		b.Fatal(err)
-	}
+	a, t := newEngineWith(b, opts), newEngineWith(b, opts)
+	src, dst := alloc(b, a, n), alloc(b, t, n)
 	seg, err := a.OpenSegment(context.Background(), t.Name())
 	if err != nil {
 		b.Fatal(err)

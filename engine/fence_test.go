@@ -91,10 +91,7 @@ func fenceRows(t *testing.T, protos ...string) {
 				// Mooncake wrappers do.
 				old := submit(t, r.init, write(r.src, r.seg, engine.AddrOf(r.dst), size))
 				waitFor(t, 10*time.Second, "first bytes landed", func() bool { return bytes.IndexByte(r.dst, oldByte) >= 0 })
-				res, err := r.owner.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(r.dst), Len: uint64(size)}})
-				if err != nil || !res.Safe {
-					t.Fatalf("fence = %+v, %v; want Safe", res, err)
-				}
+				res := requireSafeFence(t, r.owner, r.dst)
 				// The pages go to the next request at once.
 				fillByte(r.dst, reusedByte)
 				oldRes := waitBatch(t, old, 60*time.Second)[0]
@@ -161,10 +158,7 @@ func fenceReads(t *testing.T, protos ...string) {
 			fillByte(r.src, 0)
 			rd := submit(t, r.init, read(r.src, r.seg, engine.AddrOf(r.dst), size))
 			waitFor(t, 10*time.Second, "first bytes read", func() bool { return bytes.IndexByte(r.src, oldByte) >= 0 })
-			res, err := r.owner.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(r.dst), Len: uint64(size)}})
-			if err != nil || !res.Safe {
-				t.Fatalf("fence = %+v, %v; want Safe", res, err)
-			}
+			requireSafeFence(t, r.owner, r.dst)
 			fillByte(r.dst, reusedByte)
 			got := waitBatch(t, rd, 60*time.Second)[0]
 			if proto == "rdma" {

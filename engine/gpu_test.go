@@ -130,12 +130,8 @@ func TestGPUTransfersOverTCPThroughStaging(t *testing.T) {
 	const n = 6<<20 + 4096
 	d, ownerGPU := gpuAlloc(t, 0, n)
 	_, initGPU := gpuAlloc(t, 1, n)
-	if _, err := owner.RegisterMemory(ownerGPU, "*"); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := init.RegisterMemory(initGPU, "*"); err != nil {
-		t.Fatal(err)
-	}
+	registerMemory(t, owner, ownerGPU, "*")
+	registerMemory(t, init, initGPU, "*")
 	host := alloc(t, init, n)
 	start := time.Now()
 	seg := openSegment(t, init, owner.Name())
@@ -178,9 +174,7 @@ func TestGPUStagingObeysAbort(t *testing.T) {
 	owner := newEngineWith(t, gpuOpts(t, engine.Options{SliceSize: 256 << 10}))
 	init := newEngineWith(t, gpuOpts(t, engine.Options{SliceSize: 256 << 10}))
 	d, ownerGPU := gpuAlloc(t, 0, n)
-	if _, err := owner.RegisterMemory(ownerGPU, "cuda:0"); err != nil {
-		t.Fatal(err)
-	}
+	registerMemory(t, owner, ownerGPU, "cuda:0")
 	src := alloc(t, init, n)
 	fillByte(src, oldByte)
 	seg := openSegment(t, init, owner.Name())
@@ -198,7 +192,12 @@ func TestGPUStagingObeysAbort(t *testing.T) {
 	_ = d.Control("reset")
 	gpuWrite(t, d, 0, ownerGPU, bytes.Repeat([]byte{reusedByte}, n))
 	r := waitBatch(t, b, 30*time.Second)[0]
-	time.Sleep(100 * time.Millisecond)
+	// A staging copy still under way would land by the time the owner gave
+	// every staging buffer back and no stager runs.
+	waitFor(t, 10*time.Second, "the owner's staging copies to end", func() bool {
+		st := owner.Stats()
+		return st.StagingInUse == 0 && st.Stagers == 0
+	})
 	got := gpuRead(t, d, 0, ownerGPU)
 	if old := bytes.Count(got, []byte{oldByte}); old != 0 {
 		t.Fatalf("%d bytes of the aborted WRITE reached GPU memory after a Safe abort", old)
@@ -230,9 +229,7 @@ func TestTwoProcessesGPUOverTCP(t *testing.T) {
 	requireEqual(t, "CPU->GPU: host memory written into the target's GPU memory, read back", host, want)
 
 	d, g := gpuAlloc(t, 1, n)
-	if _, err := e.RegisterMemory(g, "*"); err != nil {
-		t.Fatal(err)
-	}
+	registerMemory(t, e, g, "*")
 	fillPattern(want, 11)
 	gpuWrite(t, d, 1, g, want)
 	transfer(t, e, 30*time.Second, write(g, seg, tg.addr, n))
@@ -252,12 +249,8 @@ func TestGPUOverRDMAWithoutStaging(t *testing.T) {
 	const n = 4 << 20
 	d, ownerGPU := gpuAlloc(t, 0, n)
 	_, initGPU := gpuAlloc(t, 1, n)
-	if _, err := owner.RegisterMemory(ownerGPU, "cuda:0"); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := init.RegisterMemory(initGPU, "cuda:1"); err != nil {
-		t.Fatal(err)
-	}
+	registerMemory(t, owner, ownerGPU, "cuda:0")
+	registerMemory(t, init, initGPU, "cuda:1")
 	st := owner.Stats()
 	if st.RDMAGPUPeermem+st.RDMAGPUDmabuf != uint64(st.RDMANICs) {
 		t.Fatalf("stats %+v: GPU memory not registered on every NIC", st)
@@ -289,9 +282,7 @@ func TestRDMAKeyRequestsForGPUMemoryStageNothing(t *testing.T) {
 	init := newEngineWith(t, o)
 	const n = 32 << 20
 	d, ownerGPU := gpuAlloc(t, 0, n)
-	if _, err := owner.RegisterMemory(ownerGPU, "cuda:0"); err != nil {
-		t.Fatal(err)
-	}
+	registerMemory(t, owner, ownerGPU, "cuda:0")
 	src := alloc(t, init, n)
 	pinned := d.Stat("registered")
 	seg := openSegment(t, init, owner.Name())
@@ -301,5 +292,14 @@ func TestRDMAKeyRequestsForGPUMemoryStageNothing(t *testing.T) {
 	}
 	if st := owner.Stats(); st.StagingInUse != 0 {
 		t.Errorf("the owner holds %d staging buffers", st.StagingInUse)
+	}
+}
+
+// registerMemory registers mem at e for the devices named by where, and
+// fails the test when that is refused.
+func registerMemory(t *testing.T, e *engine.Engine, mem []byte, where string) {
+	t.Helper()
+	if _, err := e.RegisterMemory(mem, where); err != nil {
+		t.Fatal(err)
 	}
 }

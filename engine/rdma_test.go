@@ -59,6 +59,18 @@ func slowWrite(t *testing.T, opts engine.Options, size int, rid uint64, faults s
 	return owner, init, dst, b
 }
 
+// onePathPair starts an rdma owner and an initiator with one path to it,
+// a size-byte buffer on each (the initiator's filled from seed), and the
+// owner opened by the initiator.
+func onePathPair(t *testing.T, size int, seed uint64) (owner, init *engine.Engine, dst, src []byte, seg *engine.Segment) {
+	t.Helper()
+	owner = newEngineWith(t, rdmaOpts(t, engine.Options{}))
+	init = newEngineWith(t, rdmaOpts(t, engine.Options{PathsPerPeer: 1}))
+	dst, src = alloc(t, owner, size), alloc(t, init, size)
+	fillPattern(src, seed)
+	return owner, init, dst, src, openSegment(t, init, owner.Name())
+}
+
 // settledOldBytes waits until nothing lands in b any more, then counts
 // its bytes of oldByte: the fake places a chunk every few milliseconds
 // while it places anything, so a count unchanged for 250 ms means no WRITE
@@ -174,12 +186,8 @@ func TestRDMANoDeviceListsWhatWasSearched(t *testing.T) {
 // slices on it move to another NIC pair and the transfer completes with
 // every byte right.
 func TestRDMAFailoverToAnotherNICPathCompletesTheTransfer(t *testing.T) {
-	owner := newEngineWith(t, rdmaOpts(t, engine.Options{}))
-	init := newEngineWith(t, rdmaOpts(t, engine.Options{PathsPerPeer: 1}))
 	const size = 32 << 20
-	dst, src := alloc(t, owner, size), alloc(t, init, size)
-	fillPattern(src, 3)
-	seg := openSegment(t, init, owner.Name())
+	_, init, dst, src, seg := onePathPair(t, size, 3)
 	fakeControl(t, "fail dev=fake0 after=3")
 	transfer(t, init, 60*time.Second, write(src, seg, engine.AddrOf(dst), size))
 	requireEqual(t, "owner memory after failover", dst, src)
@@ -293,8 +301,8 @@ func TestRDMADrainDoesNotTrustFlushedWork(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(300 * time.Millisecond)
-	later := bytes.Count(dst, []byte{oldByte})
+	later := settledOldBytes(t, dst) // flushed work the fake lands late has landed
+
 	t.Logf("task %v; %d bytes had landed at the cancel, %d later; abort %+v", r.Status, landedAtCancel, later, res)
 	if res.Safe {
 		t.Fatalf("abort reported Safe on a drain that rested on flushed work requests")
@@ -312,12 +320,8 @@ func TestRDMAFailoverWhenALinkGoesDown(t *testing.T) {
 	if !fakeverbs.Real() || down == "" || up == "" {
 		t.Skip("needs real RDMA devices (KVFERRY_TEST_RDMA=1) and KVFERRY_TEST_RDMA_LINK_DOWN/_UP commands, which tests/rxe sets")
 	}
-	owner := newEngineWith(t, rdmaOpts(t, engine.Options{}))
-	init := newEngineWith(t, rdmaOpts(t, engine.Options{PathsPerPeer: 1}))
 	const size = 64 << 20
-	dst, src := alloc(t, owner, size), alloc(t, init, size)
-	fillPattern(src, 5)
-	seg := openSegment(t, init, owner.Name())
+	_, init, dst, src, seg := onePathPair(t, size, 5)
 	b := submit(t, init, write(src, seg, engine.AddrOf(dst), size))
 	waitFor(t, 30*time.Second, "first slice landed", func() bool { return bytes.Equal(dst[:64<<10], src[:64<<10]) })
 	if out, err := exec.Command("sh", "-c", down).CombinedOutput(); err != nil {

@@ -237,12 +237,8 @@ func TestCancelOfOneRDMABatchDoesNotDisturbAnotherOnTheSamePath(t *testing.T) {
 // ErrMemoryInUse, since the engine cannot confirm the NIC stopped reading
 // the source. Hanging until the NIC answers breaks promise 3.
 func TestTransferDeadlineIsBoundedWhenTheNICNeverFlushes(t *testing.T) {
-	owner := newEngineWith(t, rdmaOpts(t, engine.Options{}))
-	init := newEngineWith(t, rdmaOpts(t, engine.Options{PathsPerPeer: 1}))
 	const size = 1 << 20
-	dst, src := alloc(t, owner, size), alloc(t, init, size)
-	fillPattern(src, 23)
-	seg := openSegment(t, init, owner.Name())
+	_, init, dst, src, seg := onePathPair(t, size, 23)
 	transfer(t, init, 30*time.Second, write(src, seg, engine.AddrOf(dst), size)) // dials the path
 	fakeControl(t, "hang dev=fake0 on=1;hang dev=fake1 on=1")
 

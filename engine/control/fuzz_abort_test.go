@@ -15,7 +15,6 @@ package control_test
 import (
 	"bytes"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -82,71 +81,26 @@ func notificationSeeds() []namedSeed {
 }
 
 func FuzzDecodeAbortMsg(f *testing.F) {
-	for _, s := range abortMsgSeeds() {
-		f.Add(s.data)
-	}
-	f.Fuzz(func(t *testing.T, b []byte) {
-		m, err := control.DecodeAbortMsg(b)
-		if err != nil {
-			if !errors.Is(err, control.ErrMalformed) {
-				t.Fatalf("decode error %v does not wrap ErrMalformed", err)
-			}
-			return
-		}
+	fuzzDecoder(f, abortMsgSeeds(), control.DecodeAbortMsg, func(t *testing.T, b []byte, m control.AbortMsg) {
 		if len(b) != control.AbortMsgSize || m.RequestID == 0 || binary.LittleEndian.Uint32(b[12:]) != 0 {
 			t.Fatalf("accepted %x as %+v", b, m)
 		}
-		enc := m.Encode()
-		// One encoding per message: nothing the decoder accepts is lost.
-		if !bytes.Equal(enc, b) {
-			t.Fatalf("re-encoding differs:\nin  %x\nout %x", b, enc)
-		}
-		if m2, err := control.DecodeAbortMsg(enc); err != nil || m2 != m {
-			t.Fatalf("re-decode: %+v, %v; want %+v", m2, err, m)
-		}
+		requireCanonical(t, b, m, control.AbortMsg.Encode, control.DecodeAbortMsg)
 	})
 }
 
 func FuzzDecodeAbortAck(f *testing.F) {
-	for _, s := range abortAckSeeds() {
-		f.Add(s.data)
-	}
-	f.Fuzz(func(t *testing.T, b []byte) {
-		m, err := control.DecodeAbortAck(b)
-		if err != nil {
-			if !errors.Is(err, control.ErrMalformed) {
-				t.Fatalf("decode error %v does not wrap ErrMalformed", err)
-			}
-			return
-		}
+	fuzzDecoder(f, abortAckSeeds(), control.DecodeAbortAck, func(t *testing.T, b []byte, m control.AbortAck) {
 		if len(b) != control.AbortAckSize || m.RequestID == 0 || m.Outcome < control.AckDrained || m.Outcome > control.AckHeard {
 			t.Fatalf("accepted %x as %+v", b, m)
 		}
-		enc := m.Encode()
-		if !bytes.Equal(enc, b) {
-			t.Fatalf("re-encoding differs:\nin  %x\nout %x", b, enc)
-		}
-		if m2, err := control.DecodeAbortAck(enc); err != nil || m2 != m {
-			t.Fatalf("re-decode: %+v, %v; want %+v", m2, err, m)
-		}
+		requireCanonical(t, b, m, control.AbortAck.Encode, control.DecodeAbortAck)
 	})
 }
 
 func FuzzDecodeNotification(f *testing.F) {
-	for _, s := range notificationSeeds() {
-		f.Add(s.data)
-	}
-	f.Fuzz(func(t *testing.T, in []byte) {
-		// Decoded from a copy, which is then overwritten (the fuzzer's own
-		// input must not be modified).
-		b := append([]byte(nil), in...)
-		n, err := control.DecodeNotification(b)
-		if err != nil {
-			if !errors.Is(err, control.ErrMalformed) {
-				t.Fatalf("decode error %v does not wrap ErrMalformed", err)
-			}
-			return
-		}
+	fuzzDecoder(f, notificationSeeds(), control.DecodeNotification, func(t *testing.T, b []byte, n control.Notification) {
+		in := bytes.Clone(b) // b is decoded from, then overwritten
 		if len(b) < 8 || len(n.Data) > control.MaxNotifyData || len(n.Data) != len(b)-8 {
 			t.Fatalf("accepted %d bytes as %d bytes of data", len(b), len(n.Data))
 		}

@@ -11,7 +11,6 @@ package control_test
 import (
 	"bytes"
 	"encoding/binary"
-	"errors"
 	"testing"
 
 	"github.com/kvferry/kvferry/engine/control"
@@ -55,18 +54,8 @@ func fenceAckSeeds() []namedSeed {
 }
 
 func FuzzDecodeFenceMsg(f *testing.F) {
-	for _, s := range fenceMsgSeeds() {
-		f.Add(s.data)
-	}
-	f.Fuzz(func(t *testing.T, in []byte) {
-		b := append([]byte(nil), in...)
-		m, err := control.DecodeFenceMsg(b)
-		if err != nil {
-			if !errors.Is(err, control.ErrMalformed) {
-				t.Fatalf("decode error %v does not wrap ErrMalformed", err)
-			}
-			return
-		}
+	fuzzDecoder(f, fenceMsgSeeds(), control.DecodeFenceMsg, func(t *testing.T, b []byte, m control.FenceMsg) {
+		in := bytes.Clone(b) // b is decoded from, then overwritten
 		if len(b) < 24 || binary.LittleEndian.Uint32(b[20:]) != 0 || m.Epoch == 0 || m.Floor > m.Epoch ||
 			len(m.Ranges) > control.MaxFenceRanges || len(b) != 24+16*len(m.Ranges) {
 			t.Fatalf("accepted %d bytes as %+v (%d ranges)", len(b), m.Epoch, len(m.Ranges))
@@ -97,27 +86,11 @@ func FuzzDecodeFenceMsg(f *testing.F) {
 }
 
 func FuzzDecodeFenceAck(f *testing.F) {
-	for _, s := range fenceAckSeeds() {
-		f.Add(s.data)
-	}
-	f.Fuzz(func(t *testing.T, b []byte) {
-		m, err := control.DecodeFenceAck(b)
-		if err != nil {
-			if !errors.Is(err, control.ErrMalformed) {
-				t.Fatalf("decode error %v does not wrap ErrMalformed", err)
-			}
-			return
-		}
+	fuzzDecoder(f, fenceAckSeeds(), control.DecodeFenceAck, func(t *testing.T, b []byte, m control.FenceAck) {
 		if len(b) != control.FenceAckSize || m.Epoch == 0 || binary.LittleEndian.Uint64(b[8:]) != 0 {
 			t.Fatalf("accepted %x as %+v", b, m)
 		}
-		enc := m.Encode()
-		if !bytes.Equal(enc, b) {
-			t.Fatalf("re-encoding differs:\nin  %x\nout %x", b, enc)
-		}
-		if m2, err := control.DecodeFenceAck(enc); err != nil || m2 != m {
-			t.Fatalf("re-decode: %+v, %v; want %+v", m2, err, m)
-		}
+		requireCanonical(t, b, m, control.FenceAck.Encode, control.DecodeFenceAck)
 	})
 }
 

@@ -71,17 +71,7 @@ func envelopeSeeds() []namedSeed {
 }
 
 func FuzzDecodeEnvelope(f *testing.F) {
-	for _, s := range envelopeSeeds() {
-		f.Add(s.data)
-	}
-	f.Fuzz(func(t *testing.T, b []byte) {
-		e, err := control.DecodeEnvelope(b)
-		if err != nil {
-			if !errors.Is(err, control.ErrMalformed) {
-				t.Fatalf("decode error %v does not wrap ErrMalformed", err)
-			}
-			return
-		}
+	fuzzDecoder(f, envelopeSeeds(), control.DecodeEnvelope, func(t *testing.T, b []byte, e control.Envelope) {
 		if len(b) != control.EnvelopeSize {
 			t.Fatalf("accepted an envelope of %d bytes", len(b))
 		}
@@ -176,20 +166,15 @@ func descriptorSeeds() []namedSeed {
 }
 
 func FuzzDecodeDescriptor(f *testing.F) {
-	for _, s := range descriptorSeeds() {
-		f.Add(s.data)
-	}
-	f.Fuzz(func(t *testing.T, b []byte) {
+	// A refusal comes without a descriptor.
+	decode := func(b []byte) (*control.Descriptor, error) {
 		d, err := control.DecodeDescriptor(b)
-		if err != nil {
-			if d != nil {
-				t.Fatalf("error %v with a non-nil descriptor", err)
-			}
-			if !errors.Is(err, control.ErrMalformed) {
-				t.Fatalf("decode error %v does not wrap ErrMalformed", err)
-			}
-			return
+		if err != nil && d != nil {
+			return nil, fmt.Errorf("error %v with a non-nil descriptor", err)
 		}
+		return d, err
+	}
+	fuzzDecoder(f, descriptorSeeds(), decode, func(t *testing.T, b []byte, d *control.Descriptor) {
 		checkDescriptorInvariants(t, d)
 		enc := d.Encode()
 		d2, err := control.DecodeDescriptor(enc)
@@ -403,5 +388,41 @@ func TestWriteSeedCorpus(t *testing.T) {
 			continue // keep committed files small
 		}
 		write("FuzzUnpackBody", s.name, fmt.Sprintf("[]byte(%q)", s.body), fmt.Sprintf("uint8(%d)", s.flags))
+	}
+}
+
+// fuzzDecoder seeds f and fuzzes decode: an input it refuses must be
+// refused with an error wrapping ErrMalformed; an input it takes goes to
+// check with the decoded value. decode gets a copy of the fuzzer's input,
+// which check may overwrite (to show the value does not alias it); in is
+// the fuzzer's own, untouched.
+func fuzzDecoder[T any](f *testing.F, seeds []namedSeed, decode func([]byte) (T, error), check func(t *testing.T, b []byte, m T)) {
+	for _, s := range seeds {
+		f.Add(s.data)
+	}
+	f.Fuzz(func(t *testing.T, in []byte) {
+		b := append([]byte(nil), in...)
+		m, err := decode(b)
+		if err != nil {
+			if !errors.Is(err, control.ErrMalformed) {
+				t.Fatalf("decode error %v does not wrap ErrMalformed", err)
+			}
+			return
+		}
+		check(t, b, m)
+	})
+}
+
+// requireCanonical fails the test unless m, decoded from in, encodes to in
+// again (one encoding per message: nothing the decoder accepts is lost) and
+// that encoding decodes back to m.
+func requireCanonical[T comparable](t *testing.T, in []byte, m T, encode func(T) []byte, decode func([]byte) (T, error)) {
+	t.Helper()
+	enc := encode(m)
+	if !bytes.Equal(enc, in) {
+		t.Fatalf("re-encoding differs:\nin  %x\nout %x", in, enc)
+	}
+	if m2, err := decode(enc); err != nil || m2 != m {
+		t.Fatalf("re-decode: %+v, %v; want %+v", m2, err, m)
 	}
 }

@@ -238,9 +238,14 @@ func TestPlaneSendOneWay(t *testing.T) {
 		if calls := rec.waitCalls(t, 1); calls[0].typ != control.MsgCanceled {
 			t.Fatalf("first call %v, want CANCELED", calls[0].typ)
 		}
-		time.Sleep(50 * time.Millisecond) // anything sent by mistake would arrive in this time
-		if s := b.Stats(); s.Received != 1 || len(rec.waitCalls(t, 1)) != 1 {
-			t.Fatalf("b heard %d messages, want 1", s.Received)
+		// A PING behind it on the same connection: b reads one connection in
+		// order, so once the PONG is back anything sent by mistake before
+		// has arrived.
+		if _, _, err := a.Request(ctxFor(t, 5*time.Second), b.Name(), control.MsgPing, nil); err != nil {
+			t.Fatalf("PING after the Sends: %v", err)
+		}
+		if s := b.Stats(); s.Received != 2 || len(rec.waitCalls(t, 1)) != 1 {
+			t.Fatalf("b heard %d messages, want 2 (the CANCELED and the PING)", s.Received)
 		}
 		must(t, a.Close())
 		if err := a.Send(b.Name(), control.MsgAbort, abort); !errors.Is(err, control.ErrClosed) {

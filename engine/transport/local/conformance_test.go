@@ -125,7 +125,13 @@ func TestUnregisterDuringCopiesWithinOneEngine(t *testing.T) {
 					}
 				}()
 			}
-			time.Sleep(100 * time.Millisecond)
+			// Each Unregister marks its region dead before it waits for the
+			// pins: once every region is dead, every Unregister is pending.
+			for deadline := time.Now().Add(5 * time.Second); !allDead(regions); time.Sleep(100 * time.Microsecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("the Unregisters never began")
+				}
+			}
 			close(proceed)
 			if !within(2*time.Second, unregistered.Wait) {
 				stuck = true
@@ -158,4 +164,14 @@ func within(timeout time.Duration, wait func()) bool {
 	case <-time.After(timeout):
 		return false
 	}
+}
+
+// allDead reports whether every region's Unregister has begun.
+func allDead(regions []*memory.Region) bool {
+	for _, r := range regions {
+		if !r.Dead() {
+			return false
+		}
+	}
+	return true
 }

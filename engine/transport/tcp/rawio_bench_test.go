@@ -47,15 +47,7 @@ func benchPath(b *testing.B, op transport.Op, size int) {
 		b.Fatal(err)
 	}
 	defer memory.Free(local)
-	oreg := memory.NewRegistry()
-	oregs, err := oreg.Register([]memory.Range{{Mem: owned}})
-	if err != nil {
-		b.Fatal(err)
-	}
-	lregs, err := memory.NewRegistry().Register([]memory.Range{{Mem: local}})
-	if err != nil {
-		b.Fatal(err)
-	}
+	oreg, oregion, lregion := transporttest.Register(b, owned, local)
 	srv := New(Options{})
 	defer srv.Close()
 	addr, err := srv.Listen(transporttest.NewOwner(oreg))
@@ -71,7 +63,7 @@ func benchPath(b *testing.B, op transport.Op, size int) {
 	done := make(chan error, window)
 	slices := make([]*transport.Slice, window)
 	for i := range slices {
-		slices[i] = &transport.Slice{Op: op, Local: local[i*size : (i+1)*size], LocalReg: lregs[0], Key: oregs[0].Key,
+		slices[i] = &transport.Slice{Op: op, Local: local[i*size : (i+1)*size], LocalReg: lregion, Key: oregion.Key,
 			Remote: memory.AddrOf(owned) + uint64(i*size), Done: func(_ *transport.Slice, err error) { done <- err }}
 	}
 	b.SetBytes(int64(size))

@@ -57,15 +57,7 @@ func TestCopiesIntoAndOutOfUntouchedMemory(t *testing.T) {
 		return m
 	}
 	owned, local := lazy(), lazy()
-	oreg := memory.NewRegistry()
-	oregs, err := oreg.Register([]memory.Range{{Mem: owned}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	lregs, err := memory.NewRegistry().Register([]memory.Range{{Mem: local}})
-	if err != nil {
-		t.Fatal(err)
-	}
+	oreg, oregion, lregion := transporttest.Register(t, owned, local)
 	srv, cli := New(Options{}), New(Options{})
 	t.Cleanup(func() { _ = cli.Close(); _ = srv.Close() })
 	addr, err := srv.Listen(transporttest.NewOwner(oreg))
@@ -79,7 +71,7 @@ func TestCopiesIntoAndOutOfUntouchedMemory(t *testing.T) {
 	move := func(op transport.Op, from, to int) {
 		t.Helper()
 		done := make(chan error, 1)
-		ep.Post([]*transport.Slice{{Op: op, Local: local[from : from+size/2], LocalReg: lregs[0], Key: oregs[0].Key,
+		ep.Post([]*transport.Slice{{Op: op, Local: local[from : from+size/2], LocalReg: lregion, Key: oregion.Key,
 			Remote: memory.AddrOf(owned) + uint64(to), Done: func(_ *transport.Slice, err error) { done <- err }}})
 		if err := <-done; err != nil {
 			t.Fatalf("%v: %v", op, err)

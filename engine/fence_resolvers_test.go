@@ -1,8 +1,10 @@
 package engine_test
 
-// Second review of the fence by memory range (SAFETY.md promise 7): attacks
-// on the fixes of the first review. Each test fails on the code it was
-// written against, for the reason its comment gives.
+// The fence by memory range (SAFETY.md promise 7) against descriptors that
+// lag it: a cluster store that hands out the descriptor published once, a
+// descriptor fetch that overtakes the fence notice, and this engine's own
+// Submit whose plan waits on a descriptor fetch while it fences. Each test
+// failed before the protection its comment describes was built.
 
 import (
 	"bytes"
@@ -66,10 +68,7 @@ func TestFenceAStaleStoreDoesNotMakeTheFencedPagesUnwritable(t *testing.T) {
 	fillByte(src, oldByte)
 	old := submit(t, init, write(src, seg, engine.AddrOf(dst), size))
 	waitFor(t, 10*time.Second, "first bytes landed", func() bool { return bytes.IndexByte(dst, oldByte) >= 0 })
-	res, err := owner.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(dst), Len: size}})
-	if err != nil || !res.Safe {
-		t.Fatalf("fence = %+v, %v; want Safe", res, err)
-	}
+	res := requireSafeFence(t, owner, dst)
 	t.Logf("fence epoch %d told %v acked %v", res.Epoch, res.Told, res.Acked)
 	got := waitBatch(t, old, 60*time.Second)[0]
 	t.Logf("old WRITE: %v after %d bytes (%v)", got.Status, got.Transferred, got.Err)
@@ -125,7 +124,7 @@ func (r *gatedResolver) Resolve(ctx context.Context, name string) (*control.Desc
 	return r.peer.Descriptor(), nil
 }
 
-// cancelOwnTasks (fix 3 of the first review) cancels only the tasks it
+// cancelOwnTasks cancels only the tasks it
 // finds listed in a live batch. A Submit called before Fence whose tasks
 // are not listed yet is missed: Batch.Submit plans (resolves remote keys,
 // which may fetch the descriptor again) before it stamps and lists its
@@ -248,10 +247,7 @@ func TestFenceADescriptorOvertakenByTheNoticeDoesNotUndoIt(t *testing.T) {
 	}()
 	<-late.fetched // the descriptor is read, fence epoch 0
 
-	res, err := owner.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(dst), Len: size}})
-	if err != nil || !res.Safe {
-		t.Fatalf("fence = %+v, %v; want Safe", res, err)
-	}
+	res := requireSafeFence(t, owner, dst)
 	if err := <-wrote; err != nil {
 		t.Fatalf("the WRITE into other pages: %v", err)
 	}

@@ -59,7 +59,7 @@ func TestAbortLearnedFromRefusalStillDrainsBeforeACK(t *testing.T) {
 	if err := b.Submit(ctx, []Request{req(0)}); err != nil { // admitted, then held by ApplyDelay
 		t.Fatal(err)
 	}
-	time.Sleep(10 * time.Millisecond)
+	waitAdmitted(t, owner, init, rid)
 	gen, _, err := owner.reqs.Abort(rid, false) // refusal in force; no ABORT sent yet
 	if err != nil {
 		t.Fatal(err)
@@ -113,7 +113,7 @@ func TestCutDuringDrainDoesNotAbortOtherRequests(t *testing.T) {
 	if err := b.Submit(ctx, []Request{req(0, 1), req(1, 2)}); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(20 * time.Millisecond)
+	waitAdmitted(t, owner, init, 1) // request 1 sits admitted at the owner
 	if res, err := owner.Abort(ctx, 1, []string{init.Name()}); err != nil || !res.Safe {
 		t.Fatalf("abort = %+v, %v", res, err)
 	}

@@ -47,13 +47,7 @@ func withdrawnGrantWrite(t *testing.T, how string) {
 		t.Fatal(err)
 	}
 	// Admitted: the owner now sleeps ApplyDelay before its first chunk.
-	deadline := time.Now().Add(10 * time.Second)
-	for !owner.admitted.seen(init.Name(), rid) {
-		if time.Now().After(deadline) {
-			t.Fatal("the WRITE was never admitted")
-		}
-		time.Sleep(100 * time.Microsecond)
-	}
+	waitAdmitted(t, owner, init, rid)
 	rctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
 	if how == "revoke" {

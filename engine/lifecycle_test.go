@@ -57,10 +57,7 @@ func TestFailedOpensLeaveNoSockets(t *testing.T) {
 			t.Fatal("opened a segment nobody serves")
 		}
 	}
-	deadline := time.Now().Add(2 * time.Second)
-	for fds() > before+2 && time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond)
-	}
+	waitUntil(2*time.Second, func() bool { return fds() <= before+2 })
 	if got := fds(); got > before+2 {
 		t.Fatalf("%d file descriptors after 30 failed opens, %d before", got, before)
 	}
@@ -84,7 +81,8 @@ func (r *stallingResolver) Resolve(ctx context.Context, name string) (*control.D
 // by its own deadline.
 func TestTransferWaitingOnARefreshKeepsItsDeadline(t *testing.T) {
 	peer := newEngine(t)
-	e := newEngineWith(t, engine.Options{Resolver: &stallingResolver{peer: peer}})
+	r := &stallingResolver{peer: peer}
+	e := newEngineWith(t, engine.Options{Resolver: r})
 	local := alloc(t, e, 1<<16)
 	seg, err := e.OpenSegment(context.Background(), peer.Name())
 	if err != nil {
@@ -96,7 +94,9 @@ func TestTransferWaitingOnARefreshKeepsItsDeadline(t *testing.T) {
 		defer cancel()
 		_, _ = e.Transfer(ctx, req)
 	}()
-	time.Sleep(100 * time.Millisecond)
+	// The refresh holds the turn once it called the resolver a second time
+	// (the first call was OpenSegment's).
+	waitFor(t, 10*time.Second, "the refresh to reach the resolver", func() bool { return r.calls.Load() >= 2 })
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
 	start := time.Now()

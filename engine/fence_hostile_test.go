@@ -150,16 +150,7 @@ func TestRDMAFencesOfOtherPagesDoNotFailATransfer(t *testing.T) {
 func TestFenceAPlannerThatLeftDoesNotCostEveryFenceTheGrace(t *testing.T) {
 	owner := newEngineWith(t, engine.Options{FenceGrace: 3 * time.Second})
 	dst := alloc(t, owner, 1<<20)
-	gone, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := gone.OpenSegment(testCtx(t, 10*time.Second), owner.Name()); err != nil {
-		t.Fatal(err)
-	}
-	if err := gone.Close(); err != nil {
-		t.Fatal(err)
-	}
+	plannerThatLeft(t, owner)
 	waitFor(t, 10*time.Second, "the owner saw the peer's control connection close", func() bool { return owner.Stats().ControlConns == 0 })
 	for i := 0; i < 3; i++ {
 		start := time.Now()
@@ -216,10 +207,7 @@ func TestFenceStopsTheEnginesOwnTransfersIntoTheRanges(t *testing.T) {
 	fillByte(from, oldByte)
 	rd := submit(t, e, read(into, self, engine.AddrOf(from), size))
 	waitFor(t, 10*time.Second, "first bytes read", func() bool { return bytes.IndexByte(into, oldByte) >= 0 })
-	res, err := e.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(into), Len: size}})
-	if err != nil || !res.Safe {
-		t.Fatalf("fence = %+v, %v; want Safe", res, err)
-	}
+	requireSafeFence(t, e, into)
 	fillByte(into, reusedByte)
 	got := waitBatch(t, rd, 60*time.Second)[0]
 	n := bytes.Count(into, []byte{oldByte})
@@ -239,6 +227,22 @@ func TestFenceStopsTheEnginesOwnTransfersIntoTheRanges(t *testing.T) {
 func TestFencesToAPlannerThatLeftLeaveNoGoroutines(t *testing.T) {
 	owner := newEngineWith(t, engine.Options{FenceGrace: time.Millisecond})
 	dst := alloc(t, owner, 1<<20)
+	plannerThatLeft(t, owner)
+	before := runtime.NumGoroutine()
+	for i := 0; i < 200; i++ {
+		if res, err := owner.Fence(context.Background(), []engine.FenceRange{{Addr: engine.AddrOf(dst), Len: 4096}}); err != nil || !res.Safe {
+			t.Fatalf("fence %d = %+v, %v", i+1, res, err)
+		}
+	}
+	if grew := runtime.NumGoroutine() - before; grew > 50 {
+		t.Fatalf("%d goroutines more after 200 fences: each keeps resending FENCE to a planner that left, until the fence's deadline", grew)
+	}
+}
+
+// plannerThatLeft opens the owner from an engine of its own, which then
+// closes: a planner the owner knows and that is gone for good.
+func plannerThatLeft(t *testing.T, owner *engine.Engine) {
+	t.Helper()
 	gone, err := engine.New(engine.Options{IgnoreEnv: true, Protocol: "tcp"})
 	if err != nil {
 		t.Fatal(err)
@@ -249,13 +253,15 @@ func TestFencesToAPlannerThatLeftLeaveNoGoroutines(t *testing.T) {
 	if err := gone.Close(); err != nil {
 		t.Fatal(err)
 	}
-	before := runtime.NumGoroutine()
-	for i := 0; i < 200; i++ {
-		if res, err := owner.Fence(context.Background(), []engine.FenceRange{{Addr: engine.AddrOf(dst), Len: 4096}}); err != nil || !res.Safe {
-			t.Fatalf("fence %d = %+v, %v", i+1, res, err)
-		}
+}
+
+// requireSafeFence has e fence all of mem, and fails the test unless the
+// fence is Safe; it returns the result.
+func requireSafeFence(t *testing.T, e *engine.Engine, mem []byte) engine.FenceResult {
+	t.Helper()
+	res, err := e.Fence(testCtx(t, 20*time.Second), []engine.FenceRange{{Addr: engine.AddrOf(mem), Len: uint64(len(mem))}})
+	if err != nil || !res.Safe {
+		t.Fatalf("fence = %+v, %v; want Safe", res, err)
 	}
-	if grew := runtime.NumGoroutine() - before; grew > 50 {
-		t.Fatalf("%d goroutines more after 200 fences: each keeps resending FENCE to a planner that left, until the fence's deadline", grew)
-	}
+	return res
 }
