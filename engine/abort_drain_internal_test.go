@@ -8,10 +8,10 @@ import (
 	"github.com/kvferry/kvferry/engine/control"
 )
 
-// reviewPair starts an owner (with ApplyDelay, so WRITEs sit admitted at
+// ownerInitiatorPair starts an owner (with ApplyDelay, so WRITEs sit admitted at
 // the owner for a while) and an initiator with opts, and a 1 MiB buffer on
 // each; the initiator has the owner open.
-func reviewPair(t *testing.T, opts Options, delay time.Duration) (owner, init *Engine, seg *Segment, dst, src []byte) {
+func ownerInitiatorPair(t *testing.T, opts Options, delay time.Duration) (owner, init *Engine, seg *Segment, dst, src []byte) {
 	t.Helper()
 	// tcp: ApplyDelay, which these tests rest on, slows only tcp's copies.
 	opts.Host, opts.IgnoreEnv, opts.Protocol = "127.0.0.1", true, "tcp"
@@ -44,7 +44,7 @@ func reviewPair(t *testing.T, opts Options, delay time.Duration) (owner, init *E
 // the ABORT. It used to record the abort as drained and ACK at once while a
 // task of the request was still on the wire.
 func TestAbortLearnedFromRefusalStillDrainsBeforeACK(t *testing.T) {
-	owner, init, seg, dst, src := reviewPair(t, Options{PathsPerPeer: 2}, 50*time.Millisecond)
+	owner, init, seg, dst, src := ownerInitiatorPair(t, Options{PathsPerPeer: 2}, 50*time.Millisecond)
 	ctx := context.Background()
 	const rid = 77
 	req := func(i int) Request {
@@ -99,7 +99,7 @@ func TestAbortLearnedFromRefusalStillDrainsBeforeACK(t *testing.T) {
 // error, not as an abort: it used to end ABORTED, with a tombstone and an
 // event for a request the owner never aborted.
 func TestCutDuringDrainDoesNotAbortOtherRequests(t *testing.T) {
-	owner, init, seg, dst, src := reviewPair(t, Options{PathsPerPeer: 1, MaxRetries: -1, AbortDrainTimeout: 20 * time.Millisecond}, 300*time.Millisecond)
+	owner, init, seg, dst, src := ownerInitiatorPair(t, Options{PathsPerPeer: 1, MaxRetries: -1, AbortDrainTimeout: 20 * time.Millisecond}, 300*time.Millisecond)
 	ctx := context.Background()
 	req := func(i int, rid uint64) Request {
 		return Request{Op: Write, Local: AddrOf(src) + uint64(i*4096), Segment: seg,
@@ -140,7 +140,7 @@ func TestCutDuringDrainDoesNotAbortOtherRequests(t *testing.T) {
 // drain at 2 covers it); it used to be answered at 2, so the owner waiting
 // for 1 never matched it.
 func TestOlderAbortIsAnsweredWithItsOwnGeneration(t *testing.T) {
-	owner, init, _, _, _ := reviewPair(t, Options{}, 0)
+	owner, init, _, _, _ := ownerInitiatorPair(t, Options{}, 0)
 	const rid = 5
 	pas := map[uint32]*pendingAbort{}
 	for gen := uint32(1); gen <= 2; gen++ {

@@ -30,7 +30,7 @@ func TestWithdrawnGrantsWriteDoesNotLandOnceTheCapForgetsItsRequest(t *testing.T
 // initiator's task held at the owner, when the cap forces it out).
 func withdrawnGrantWrite(t *testing.T, how string) {
 	const max, rid = 8, 41
-	owner, init, seg, dst, src := reviewPair(t, Options{MaxTombstones: max, MaxRetries: -1}, 2*time.Second)
+	owner, init, seg, dst, src := ownerInitiatorPair(t, Options{MaxTombstones: max, MaxRetries: -1}, 2*time.Second)
 	ctx := context.Background()
 	fillByte(src[:4096], 0xAA)
 	g, err := owner.Grant(init.Name(), rid, []GrantRange{{Addr: AddrOf(dst), Len: 4096}})
