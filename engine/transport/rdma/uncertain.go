@@ -23,9 +23,11 @@ const (
 
 // newUncertainSet returns an empty uncertain set on clock now (nil: the
 // wall clock). A mark is protected for as long as it is within its window
-// (KeepFresh): the set never forgets a fresh one to make room.
+// (KeepFresh): the set never forgets a fresh one to make room. The window
+// includes its last instant (a mark exactly uncertainTTL old counts), while
+// the set ages an entry once it is TTL old: hence one tick more.
 func newUncertainSet(now func() time.Time) *bounded.Set[uncertainKey, struct{}] {
-	return bounded.New(bounded.Options[uncertainKey, struct{}]{Cap: maxUncertain, TTL: uncertainTTL, KeepFresh: true, Now: now})
+	return bounded.New(bounded.Options[uncertainKey, struct{}]{Cap: maxUncertain, TTL: uncertainTTL + time.Nanosecond, KeepFresh: true, Now: now})
 }
 
 // markUncertain records that a work request of (peer, rid) ended without

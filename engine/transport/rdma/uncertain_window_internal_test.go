@@ -22,8 +22,8 @@ func TestRDMAUncertainMarkIsKeptForItsWholeWindowAndOnlyThen(t *testing.T) {
 	if !tr.Uncertain(peer, 2) {
 		t.Fatal("a mark was forgotten within its window")
 	}
-	clock = clock.Add(time.Nanosecond)
-	tr.markUncertain(other, 7) // the cap is full: the marks whose window passed make room
+	clock = clock.Add(2 * time.Nanosecond) // one tick past the window's last instant
+	tr.markUncertain(other, 7)             // the cap is full: the marks whose window passed make room
 	switch {
 	case !tr.Uncertain(other, 7):
 		t.Fatal("a new mark was dropped though expired marks could make room")
