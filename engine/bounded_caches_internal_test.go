@@ -154,6 +154,24 @@ func TestFenceDebtIsNeverEvicted(t *testing.T) {
 	if err := e.admitInitiator("10.0.0.1:1"); err != nil || e.Stats().RDMAFencesPending != 0 {
 		t.Errorf("after the ACK: %v, %d pending; want nil and 0", err, e.Stats().RDMAFencesPending)
 	}
+
+	// Two debts of one initiator: it stays refused until both are
+	// acknowledged, and an ACK repeated or for no debt settles nothing else.
+	for _, k := range []abortKey{{5, 1}, {6, 1}} {
+		if err := e.noteFence("10.0.0.1:1", k); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.ackedFence("10.0.0.1:1", abortKey{5, 1})
+	e.ackedFence("10.0.0.1:1", abortKey{5, 1})
+	e.ackedFence("10.0.0.1:1", abortKey{7, 1})
+	if err := e.admitInitiator("10.0.0.1:1"); err == nil {
+		t.Error("an initiator that still owes one of two ACKs connected new QPs")
+	}
+	e.ackedFence("10.0.0.1:1", abortKey{6, 1})
+	if err := e.admitInitiator("10.0.0.1:1"); err != nil || len(e.fenceOwed) != 0 {
+		t.Errorf("after both ACKs: %v, %d initiators owing; want nil and 0", err, len(e.fenceOwed))
+	}
 }
 
 // Abort warns once per initiator that writes without request ids; past

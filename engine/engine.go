@@ -122,6 +122,7 @@ type Engine struct {
 	// new QPs meanwhile (see rdma.Options.AdmitInitiator).
 	fenceMu    sync.Mutex
 	fenceDebts *bounded.Set[fenceDebt, struct{}]
+	fenceOwed  map[string]int // debts per initiator, so a handshake checks its own in O(1)
 
 	protoMu   sync.Mutex
 	protoSaid *bounded.Set[string, string] // peer -> transport chosen, logged once
@@ -185,7 +186,7 @@ func New(opts Options) (*Engine, error) {
 		reqs:    requests.New(requests.Options{MaxTombstones: opts.MaxTombstones, TombstoneTTL: opts.TombstoneTTL}),
 		pending: map[abortKey]*pendingAbort{},
 		events:  make(chan Event, opts.EventQueue), efd: -1,
-		fenceDebts: newFenceDebts(maxFenceDebts), protoSaid: newProtoSaid(), noRIDWarned: newNoRIDWarned(), admitted: newAccessCache(),
+		fenceDebts: newFenceDebts(maxFenceDebts), fenceOwed: map[string]int{}, protoSaid: newProtoSaid(), noRIDWarned: newNoRIDWarned(), admitted: newAccessCache(),
 		fences: fence.New(0), planners: map[string]time.Time{}, pendFences: map[uint64]*pendingFence{},
 	}
 	e.setMaxTombOwners(MaxTombstoneOwners)

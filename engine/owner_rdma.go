@@ -42,7 +42,9 @@ func (e *Engine) handleTransport(from string, body []byte) (control.MsgType, []b
 func (e *Engine) admitInitiator(initiator string) error {
 	var pend []abortKey
 	e.fenceMu.Lock()
-	if e.fenceDebts.Len() > 0 {
+	// Most handshakes come from initiators that owe nothing: they must
+	// not pay for a walk over every other initiator's debts.
+	if e.fenceOwed[initiator] > 0 {
 		for d := range e.fenceDebts.All() {
 			if d.initiator == initiator {
 				pend = append(pend, d.abort)
@@ -95,12 +97,17 @@ func (e *Engine) noteFence(initiator string, k abortKey) error {
 	if n := e.fenceDebts.Len(); n >= maxFenceDebts || !e.fenceDebts.Put(d, struct{}{}) {
 		return fmt.Errorf("%d rdma fences await their initiators' ACKs (at most %d): %w", n, maxFenceDebts, ErrBusy)
 	}
+	e.fenceOwed[initiator]++
 	return nil
 }
 
 // ackedFence clears initiator's debt for k.
 func (e *Engine) ackedFence(initiator string, k abortKey) {
 	e.fenceMu.Lock()
-	e.fenceDebts.Remove(fenceDebt{initiator, k})
+	if _, owed := e.fenceDebts.Remove(fenceDebt{initiator, k}); owed {
+		if e.fenceOwed[initiator]--; e.fenceOwed[initiator] <= 0 {
+			delete(e.fenceOwed, initiator)
+		}
+	}
 	e.fenceMu.Unlock()
 }
