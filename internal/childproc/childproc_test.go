@@ -109,16 +109,24 @@ func TestWaitKilledReportsTheKill(t *testing.T) {
 }
 
 func TestStopEndsAChildLeftStopped(t *testing.T) {
+	// The subtest's cleanup resumes the child and closes its stdin.
+	requireEndedByCleanup(t, func(t *testing.T, p *Proc) { p.Signal(t, syscall.SIGSTOP) })
+}
+
+// requireEndedByCleanup starts a child in a subtest, leaves it as leave
+// does, and fails unless the subtest's cleanup (Stop) saw it exit cleanly.
+func requireEndedByCleanup(t *testing.T, leave func(*testing.T, *Proc)) {
+	t.Helper()
 	var p *Proc
 	t.Run("child", func(t *testing.T) {
 		p = startEcho(t, nil)
 		p.First(t, time.Minute)
-		p.Signal(t, syscall.SIGSTOP)
-	}) // its cleanup resumes the child and closes its stdin
+		leave(t, p)
+	})
 	select {
 	case <-p.Exited():
 	default:
-		t.Fatal("child still running after its test's cleanup")
+		t.Fatal("child's stdout still open after its test's cleanup")
 	}
 	if p.Cmd.ProcessState == nil || !p.Cmd.ProcessState.Success() {
 		t.Fatalf("child's exit: %v", p.Cmd.ProcessState)
@@ -151,24 +159,13 @@ func TestParseBufferRefusesWhatIsNotAnAddressAndTheWantedLength(t *testing.T) {
 // Stop waiting forever: the reader would block handing a line on, so the
 // child's stdout would never be seen to end, even once it was killed.
 func TestStopEndsAChildWhoseLinesNobodyRead(t *testing.T) {
-	var p *Proc
-	t.Run("child", func(t *testing.T) {
-		p = startEcho(t, nil)
-		p.First(t, time.Minute)
+	requireEndedByCleanup(t, func(t *testing.T, p *Proc) {
 		for i := range 64 { // more answers than Lines holds
 			if err := p.Send(fmt.Sprint(i)); err != nil {
 				t.Fatal(err)
 			}
 		}
-	}) // its cleanup closes the child's stdin; nobody reads the answers
-	select {
-	case <-p.Exited():
-	default:
-		t.Fatal("child's stdout still open after its test's cleanup")
-	}
-	if p.Cmd.ProcessState == nil || !p.Cmd.ProcessState.Success() {
-		t.Fatalf("child's exit: %v", p.Cmd.ProcessState)
-	}
+	})
 }
 
 func TestStoppedReadsTheStateAfterTheCommandName(t *testing.T) {
