@@ -38,6 +38,7 @@ type env struct {
 	buffers   []*buffer
 	settled   map[*buffer]uint32
 	ended     []*slice
+	later     []func() // more checks to run again (see checkAgainLater)
 	nextReqID atomic.Uint64
 }
 
@@ -119,6 +120,18 @@ func (e *env) recheckAfterTeardown() {
 		}
 	}
 	checkOnce(t, e.ended)
+	for _, check := range e.later {
+		check()
+	}
+}
+
+// checkAgainLater runs check now, and again after the factory's teardown
+// (see recheckAfterTeardown): for counts a test keeps of its own.
+func (e *env) checkAgainLater(check func()) {
+	check()
+	e.mu.Lock()
+	e.later = append(e.later, check)
+	e.mu.Unlock()
 }
 
 // buffer is mapped memory with GuardLen guard bytes on each side and the
