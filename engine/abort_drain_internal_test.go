@@ -67,15 +67,11 @@ func TestAbortLearnedFromRefusalStillDrainsBeforeACK(t *testing.T) {
 	if err := b.Submit(ctx, []Request{req(1)}); err != nil { // refused: the initiator learns
 		t.Fatal(err)
 	}
-	for {
+	pollUntil(t, "the initiator's tombstone from the refusal", func() bool {
 		init.abortMu.RLock()
-		tb := init.tombOf(tombKey{owner.Name(), rid})
-		init.abortMu.RUnlock()
-		if tb != nil {
-			break
-		}
-		time.Sleep(100 * time.Microsecond)
-	}
+		defer init.abortMu.RUnlock()
+		return init.tombOf(tombKey{owner.Name(), rid}) != nil
+	})
 	pa := &pendingAbort{rid: rid, gen: gen, wait: map[string]bool{init.Name(): true}, drainedOnly: true, done: make(chan struct{})}
 	owner.pendMu.Lock()
 	owner.pending[abortKey{rid, gen}] = pa

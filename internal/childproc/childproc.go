@@ -214,7 +214,9 @@ func (p *Proc) WaitKilled(t testing.TB, d time.Duration) error {
 }
 
 // Stop ends the child if Finish did not: resumes it (it may be paused),
-// closes its stdin, and kills it if it has not exited 10 s later.
+// closes its stdin, and kills it if it has not exited 10 s later. Lines
+// nobody took are read and dropped meanwhile: the reader would otherwise
+// block handing one on, and the child's stdout would never be seen to end.
 func (p *Proc) Stop(t testing.TB) {
 	p.doneMu.Lock()
 	done := p.done
@@ -222,12 +224,20 @@ func (p *Proc) Stop(t testing.TB) {
 	if done {
 		return
 	}
+	go func() {
+		for range p.lines {
+		}
+	}()
 	_ = p.Cmd.Process.Signal(syscall.SIGCONT)
 	p.CloseStdin()
 	if !p.exitedWithin(10 * time.Second) {
 		t.Errorf("%s %d did not exit within 10s of its stdin closing; killing it", p.name, p.Cmd.Process.Pid)
 		_ = p.Cmd.Process.Kill()
-		<-p.exited
+		if !p.exitedWithin(10 * time.Second) {
+			// Something else holds its stdout (a child of its own, or an
+			// OnLine that blocks): the kill is done, Wait reaps it.
+			t.Errorf("%s %d: stdout still open 10s after the kill", p.name, p.Cmd.Process.Pid)
+		}
 	}
 	_ = p.wait()
 }
@@ -260,9 +270,7 @@ func (p *Proc) Signal(t testing.TB, sig syscall.Signal) {
 		if b, err = os.ReadFile(stat); err != nil {
 			return true
 		}
-		// The state follows the command name, which is in parentheses.
-		i := bytes.LastIndexByte(b, ')')
-		return i >= 0 && i+2 < len(b) && b[i+2] == 'T'
+		return Stopped(b)
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -270,6 +278,15 @@ func (p *Proc) Signal(t testing.TB, sig syscall.Signal) {
 	if !stopped {
 		t.Fatalf("%s did not stop within 5s", p.name)
 	}
+}
+
+// Stopped reports whether stat, the contents of /proc/<pid>/stat, shows
+// the process stopped: by a signal ('T'), or in a tracing stop ('t', where
+// a debugger or tracer holds the stopped child).
+func Stopped(stat []byte) bool {
+	// The state follows the command name, which is in parentheses.
+	i := bytes.LastIndexByte(stat, ')')
+	return i >= 0 && i+2 < len(stat) && (stat[i+2] == 'T' || stat[i+2] == 't')
 }
 
 // Poll calls cond every interval until it holds or d has passed, and

@@ -2,7 +2,6 @@ package childproc
 
 import (
 	"bufio"
-	"bytes"
 	"fmt"
 	"os"
 	"strings"
@@ -88,7 +87,7 @@ func TestSignalStopReturnsOnlyOnceTheChildIsStopped(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if i := bytes.LastIndexByte(b, ')'); i < 0 || i+2 >= len(b) || b[i+2] != 'T' {
+	if !Stopped(b) {
 		t.Fatalf("child's state after Signal(SIGSTOP): %q", b)
 	}
 	p.Signal(t, syscall.SIGCONT)
@@ -110,16 +109,24 @@ func TestWaitKilledReportsTheKill(t *testing.T) {
 }
 
 func TestStopEndsAChildLeftStopped(t *testing.T) {
+	// The subtest's cleanup resumes the child and closes its stdin.
+	requireEndedByCleanup(t, func(t *testing.T, p *Proc) { p.Signal(t, syscall.SIGSTOP) })
+}
+
+// requireEndedByCleanup starts a child in a subtest, leaves it as leave
+// does, and fails unless the subtest's cleanup (Stop) saw it exit cleanly.
+func requireEndedByCleanup(t *testing.T, leave func(*testing.T, *Proc)) {
+	t.Helper()
 	var p *Proc
 	t.Run("child", func(t *testing.T) {
 		p = startEcho(t, nil)
 		p.First(t, time.Minute)
-		p.Signal(t, syscall.SIGSTOP)
-	}) // its cleanup resumes the child and closes its stdin
+		leave(t, p)
+	})
 	select {
 	case <-p.Exited():
 	default:
-		t.Fatal("child still running after its test's cleanup")
+		t.Fatal("child's stdout still open after its test's cleanup")
 	}
 	if p.Cmd.ProcessState == nil || !p.Cmd.ProcessState.Success() {
 		t.Fatalf("child's exit: %v", p.Cmd.ProcessState)
@@ -144,6 +151,35 @@ func TestParseBufferRefusesWhatIsNotAnAddressAndTheWantedLength(t *testing.T) {
 	for _, f := range [][]string{{"1"}, {"x", "8"}, {"1", "x"}, {"1", "9"}, {"1", "8", "2"}} {
 		if _, ok := ParseBuffer(f, 8); ok {
 			t.Errorf("ParseBuffer(%q, 8) accepted", f)
+		}
+	}
+}
+
+// A test that ends without reading its child's lines must not leave
+// Stop waiting forever: the reader would block handing a line on, so the
+// child's stdout would never be seen to end, even once it was killed.
+func TestStopEndsAChildWhoseLinesNobodyRead(t *testing.T) {
+	requireEndedByCleanup(t, func(t *testing.T, p *Proc) {
+		for i := range 64 { // more answers than Lines holds
+			if err := p.Send(fmt.Sprint(i)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
+}
+
+func TestStoppedReadsTheStateAfterTheCommandName(t *testing.T) {
+	for stat, want := range map[string]bool{
+		"12 (kv) T 1 2":      true,
+		"12 (kv) t 1 2":      true,
+		"12 (kv) S 1 2":      false,
+		"12 (a) T (b) R 1 2": false, // a command name may hold ") T "
+		"12 (a) T (b) t 1 2": true,
+		"12 (kv":             false,
+		"12 (kv) ":           false,
+	} {
+		if got := Stopped([]byte(stat)); got != want {
+			t.Errorf("Stopped(%q) = %v, want %v", stat, got, want)
 		}
 	}
 }

@@ -289,10 +289,10 @@ func runPrefill() int {
 		return fail("free: %v", err)
 	}
 	g, fds := settled(g0, f0, 2*time.Second)
-	out.Printf("bye completed=%d failed=%d inflight=%d tasks_aborted=%d aborts_received=%d abort_events=%d other_events=%d events_dropped=%d goroutines_before=%d goroutines_after=%d fds_before=%d fds_after=%d rdma_wrs=%d rdma_error_wcs=%d rdma_failovers=%d retries=%d tasks_fenced=%d bytes_fenced=%d fences_received=%d",
+	out.Printf("bye completed=%d failed=%d inflight=%d tasks_aborted=%d aborts_received=%d abort_events=%d other_events=%d events_dropped=%d goroutines_before=%d goroutines_after=%d fds_before=%d fds_after=%d rdma_wrs=%d rdma_error_wcs=%d rdma_failovers=%d retries=%d tasks_fenced=%d bytes_fenced=%d fences_received=%d acks_sent=%d",
 		st.TasksCompleted, st.TasksFailed, st.TasksInFlight, st.TasksAborted, st.AbortsReceived, abortEvents, otherEvents,
 		st.EventsDropped, g0, g, f0, fds, st.RDMAWorkRequests, st.RDMAErrorWCs, st.RDMAFailovers, st.Retries,
-		fenced.tasks.Load(), fenced.bytes.Load(), st.FencesReceived)
+		fenced.tasks.Load(), fenced.bytes.Load(), st.FencesReceived, st.AbortAcksSent)
 	return 0
 }
 

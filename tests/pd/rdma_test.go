@@ -475,15 +475,22 @@ func TestRDMAFenceAbortLetsOtherRequestsComplete(t *testing.T) {
 		t.Errorf("the aborted request's reused slot: %d bytes overwritten (%d of them its pattern)", dmg.bad, dmg.old)
 	}
 	// The prefill acknowledges the abort (promise 2), and decode takes
-	// its ACK: the abort still waits for one (it resends ABORT until then).
-	// An ACK reached decode already (firstAck); wait for it to be taken.
-	waitUntil(2*time.Second, time.Millisecond, func() bool { return d.Stats().AbortAcks >= 1 })
+	// its ACK once: the abort still waits for one (it resends ABORT until
+	// then), and an ACK of a resend is unmatched. Once the prefill has
+	// left, decode has heard every ACK it sent when decode's counts add up
+	// to the prefill's: only then would a second ACK taken have shown.
+	bye := pp.finish(t, 30*time.Second)
+	t.Logf("prefill: %v", bye)
+	if !waitUntil(5*time.Second, time.Millisecond, func() bool {
+		st := d.Stats()
+		return int64(st.AbortAcks+st.AcksUnmatched) >= bye["acks_sent"]
+	}) {
+		t.Errorf("decode heard fewer ABORT_ACKs than the %d the prefill sent, 5s after it left", bye["acks_sent"])
+	}
 	st := d.Stats()
 	t.Logf("decode: fences %d (pending %d), ABORT_ACKs %d (unmatched %d), ABORTs resent %d", st.RDMAFences, st.RDMAFencesPending, st.AbortAcks, st.AcksUnmatched, st.AbortResends)
 	if st.AbortAcks != 1 {
-		t.Errorf("decode took %d ABORT_ACKs for its abort (%d unmatched, %d ABORTs resent); want 1: the prefill's ACK, which came %v after the abort, was not taken",
-			st.AbortAcks, st.AcksUnmatched, st.AbortResends, firstAck.Round(time.Millisecond))
+		t.Errorf("decode took %d ABORT_ACKs for its abort (%d unmatched, %d ABORTs resent, %d sent by the prefill); want 1: the prefill's ACK, which came %v after the abort, taken once",
+			st.AbortAcks, st.AcksUnmatched, st.AbortResends, bye["acks_sent"], firstAck.Round(time.Millisecond))
 	}
-	bye := pp.finish(t, 30*time.Second)
-	t.Logf("prefill: %v", bye)
 }

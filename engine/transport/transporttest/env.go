@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"hash/crc32"
 	"math/rand/v2"
 	"runtime/pprof"
 	"strings"
@@ -22,14 +23,22 @@ import (
 // env is one subtest's world: an owner registry behind an Owner, a registry
 // standing for the initiator engine, and the endpoint between them.
 type env struct {
-	t         *testing.T
-	owner     *Owner
-	ownerReg  *memory.Registry
-	initReg   *memory.Registry
-	ep        transport.Endpoint
-	mu        sync.Mutex
-	mappings  [][]byte
-	leak      atomic.Bool // a copy may still be stuck: never unmap
+	t        *testing.T
+	owner    *Owner
+	ownerReg *memory.Registry
+	initReg  *memory.Registry
+	ep       transport.Endpoint
+	mu       sync.Mutex
+	mappings [][]byte
+	leak     atomic.Bool // a copy may still be stuck: never unmap
+
+	// What the last checkpoint (a barrier's Done, or the window after an
+	// Abort) saw, for the check after the factory's teardown: a checksum
+	// of each buffer it vouches for, and the slices ended so far.
+	buffers   []*buffer
+	settled   map[*buffer]uint32
+	ended     []*slice
+	later     []func() // more checks to run again (see checkAgainLater)
 	nextReqID atomic.Uint64
 }
 
@@ -50,11 +59,79 @@ func newEnv(t *testing.T, f Factory) *env {
 			_ = memory.Free(m)
 		}
 	})
+	// Registered before the factory's, so it runs after its teardown.
+	t.Cleanup(e.recheckAfterTeardown)
 	e.ep = f(t, e.owner)
 	if e.ep == nil {
 		t.Fatal("factory returned no endpoint")
 	}
 	return e
+}
+
+// checkpoint records the state the test's checks are about to look at:
+// a checksum of every buffer whose bytes no copy may change any more, and
+// the slices that ended (ss). It runs once a barrier's Done came back, or
+// after the window of an aborted endpoint. The owner's buffers count only
+// while no path was aborted: an aborted path's WRITEs the owner had
+// already received may still land there (only its guard refuses them, and
+// the tests of Abort look at the initiator's memory alone).
+func (e *env) checkpoint(ss []*slice) {
+	aborted := e.ep.Dead()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.settled = make(map[*buffer]uint32, len(e.buffers))
+	for _, b := range e.buffers {
+		if aborted && b.registry == e.ownerReg {
+			continue
+		}
+		e.settled[b] = crc32.Checksum(b.all, castagnoli)
+	}
+	e.ended = append(e.ended, ss...)
+}
+
+// castagnoli is the checksum table of checkpoints (hardware CRC on amd64
+// and arm64, so a checkpoint of every buffer stays cheap).
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// recheckAfterTeardown looks again, once the factory closed every path
+// and the owner's side, at what the last checkpoint saw. A barrier proves
+// that a path worked past the slices posted before it only where that
+// path runs them in order: rdma stripes slices across NIC pairs and the
+// local transport copies each large Post in a goroutine of its own, so a
+// late byte or a second Done from another pair or goroutine may come
+// after the barrier and after the test's checks. Closing returns only
+// once nothing touches the memory any more (transport.Endpoint and
+// transport.Transport say so), so whatever was still to come has come: a
+// buffer changed since the checkpoint, or a Done run again, fails here.
+func (e *env) recheckAfterTeardown() {
+	t := e.t
+	if e.leak.Load() || e.settled == nil {
+		return
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, b := range e.buffers {
+		if sum, ok := e.settled[b]; ok && crc32.Checksum(b.all, castagnoli) != sum {
+			side := "an initiator"
+			if b.registry == e.ownerReg {
+				side = "an owner"
+			}
+			t.Errorf("%s buffer of %d bytes changed after the last checkpoint, by the time the paths were closed: a late byte", side, len(b.data))
+		}
+	}
+	checkOnce(t, e.ended)
+	for _, check := range e.later {
+		check()
+	}
+}
+
+// checkAgainLater runs check now, and again after the factory's teardown
+// (see recheckAfterTeardown): for counts a test keeps of its own.
+func (e *env) checkAgainLater(check func()) {
+	check()
+	e.mu.Lock()
+	e.later = append(e.later, check)
+	e.mu.Unlock()
 }
 
 // buffer is mapped memory with GuardLen guard bytes on each side and the
@@ -78,6 +155,9 @@ func (e *env) alloc(registry *memory.Registry, n int, seed uint64) *buffer {
 	e.mappings = append(e.mappings, all)
 	e.mu.Unlock()
 	b := &buffer{all: all, data: all[GuardLen : GuardLen+n : GuardLen+n], registry: registry}
+	e.mu.Lock()
+	e.buffers = append(e.buffers, b)
+	e.mu.Unlock()
 	for i := range GuardLen {
 		all[i] = GuardByte
 		all[len(all)-1-i] = GuardByte
@@ -171,6 +251,7 @@ func (e *env) barrierOn(ep transport.Endpoint) {
 		e.leak.Store(true)
 		e.t.FailNow()
 	}
+	e.checkpoint([]*slice{s})
 }
 
 func base(ss []*slice) []*transport.Slice {
@@ -217,6 +298,9 @@ func (e *env) endAll(t *testing.T, ss []*slice) {
 		e.leak.Store(true)
 		t.FailNow()
 	}
+	e.mu.Lock()
+	e.ended = append(e.ended, ss...) // for the barrier's checkpoint
+	e.mu.Unlock()
 	e.barrier()
 	checkOnce(t, ss)
 }
@@ -233,6 +317,7 @@ func (e *env) endAborted(t *testing.T, ss []*slice, window time.Duration) {
 		t.FailNow()
 	}
 	time.Sleep(window)
+	e.checkpoint(ss)
 	checkOnce(t, ss)
 }
 

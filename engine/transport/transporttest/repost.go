@@ -62,11 +62,15 @@ func testRepostAfterAbort(t *testing.T, f Factory) {
 		}
 	}
 	e.barrierOn(second)
+	e.checkAgainLater(func() {
+		for i, o := range outcomes {
+			if n := o.calls.Load(); n != 2 {
+				t.Errorf("slice %s: Done called %d times over two endpoints, want 2", tail[i].name, n)
+			}
+		}
+	})
 	for i, o := range outcomes {
 		s := tail[i]
-		if n := o.calls.Load(); n != 2 {
-			t.Errorf("slice %s: Done called %d times over two endpoints, want 2", s.name, n)
-		}
 		if !errors.Is(o.first, transport.ErrConnection) {
 			t.Errorf("slice %s ended on the aborted endpoint with %v; want an error matching transport.ErrConnection", s.name, o.first)
 		}

@@ -35,6 +35,7 @@ func runTransfers(t *testing.T, f Factory) {
 				}, 1, 2)
 				fill(owner.data, uint64(n))
 				fill(local.data, uint64(n)+1)
+				e.checkpoint(nil) // the test changed both buffers itself
 			}
 		})
 	}
