@@ -93,7 +93,8 @@ func benchAbortToSafe(b *testing.B, fenceGrace time.Duration) {
 	}()
 	for moved.Load() == 0 && failed.Load() == 0 {
 		// Polls the counters until the background traffic has moved (or
-		// failed) once, so that it runs before the first abort.
+		// failed) once, so that it runs before the first abort; each
+		// background transfer has a 5 s deadline, so one of them moves.
 		time.Sleep(time.Millisecond)
 	}
 	lat := make([]time.Duration, 0, b.N)
