@@ -146,3 +146,75 @@ func TestPanicBecomesInternalError(t *testing.T) {
 		t.Fatalf("export that panicked returned %d, want KVF_ERR_INTERNAL (%d)", st, errInternal)
 	}
 }
+
+// TestCodeOfPicksOneCauseForEveryPairTheEngineWraps pins the order of the
+// causes table where an error wraps two of its sentinels: a tcp refusal
+// wraps ErrRefused and the owner's reason, a failed task wraps
+// ErrTransferFailed and its cause, a deadline wraps the engine's error and
+// the context's.
+func TestCodeOfPicksOneCauseForEveryPairTheEngineWraps(t *testing.T) {
+	tests := []struct {
+		outer, inner error
+		want         int
+	}{
+		{engine.ErrRefused, engine.ErrStaleKey, int(errStaleKey)},
+		{engine.ErrRefused, engine.ErrFenced, int(errFenced)},
+		{engine.ErrRefused, engine.ErrAborted, int(errAborted)},
+		{engine.ErrRefused, memory.ErrUnregistered, int(errNotRegistered)},
+		{engine.ErrRefused, engine.ErrOutOfBounds, int(errRefused)},
+		{engine.ErrRefused, memory.ErrInvalidRange, int(errRefused)},
+		{engine.ErrTransferFailed, engine.ErrRefused, int(errRefused)},
+		{engine.ErrTransferFailed, engine.ErrConnection, int(errConnection)},
+		{engine.ErrTransferFailed, engine.ErrPeerDead, int(errUnreachable)},
+		{engine.ErrTransferFailed, control.ErrRemote, int(errTransferFailed)},
+		{engine.ErrTimeout, context.DeadlineExceeded, int(errTimeout)},
+		{engine.ErrCanceled, context.DeadlineExceeded, int(errTimeout)},
+		{engine.ErrCanceled, context.Canceled, int(errCanceled)},
+		{engine.ErrConnection, context.DeadlineExceeded, int(errTimeout)},
+		{engine.ErrUnreachable, context.DeadlineExceeded, int(errUnreachable)},
+		{engine.ErrSegmentUnknown, control.ErrMalformed, int(errProtocol)},
+		{engine.ErrSegmentUnknown, control.ErrRemote, int(errUnreachable)},
+		{engine.ErrSegmentUnknown, engine.ErrConnection, int(errConnection)},
+		{engine.ErrClosed, engine.ErrCanceled, int(errClosed)},
+		{engine.ErrClosed, engine.ErrTimeout, int(errClosed)},
+		{engine.ErrMemoryInUse, engine.ErrTimeout, int(errInUse)},
+		{engine.ErrBatchFreed, engine.ErrClosed, int(errHandleCode)},
+		{engine.ErrInvalidArg, syscall.ENOMEM, int(errInvalid)},
+		{engine.ErrBusy, engine.ErrBatchFull, int(errBatchFull)},
+		{engine.ErrUnsupported, engine.ErrInvalidArg, int(errUnsupported)},
+		{transport.ErrProtocol, engine.ErrConnection, int(errProtocol)},
+	}
+	for _, tt := range tests {
+		for _, err := range []error{fmt.Errorf("%w: %w", tt.outer, tt.inner), fmt.Errorf("%w: %w", tt.inner, tt.outer),
+			errors.Join(tt.outer, tt.inner)} {
+			if got := int(codeOf(err)); got != tt.want {
+				t.Errorf("codeOf(%v) = %d, want %d", err, got, tt.want)
+			}
+		}
+	}
+}
+
+func TestTaskCodeOfEveryStatus(t *testing.T) {
+	other := errors.New("something else")
+	tests := []struct {
+		status engine.TaskStatus
+		err    error
+		want   int
+	}{
+		{engine.Completed, other, int(statusOK)},
+		{engine.Waiting, other, int(statusOK)},
+		{engine.Pending, other, int(statusOK)},
+		{engine.Timeout, engine.ErrRefused, int(errTimeout)},
+		{engine.Canceled, context.DeadlineExceeded, int(errCanceled)},
+		{engine.Aborted, engine.ErrFenced, int(errAborted)},
+		{engine.Failed, other, int(errTransferFailed)},
+		{engine.Failed, engine.ErrPeerDead, int(errUnreachable)},
+		{engine.Failed, context.DeadlineExceeded, int(errTimeout)},
+		{engine.Failed, nil, int(statusOK)}, // as before: a failure without an error has no code of its own
+	}
+	for _, tt := range tests {
+		if got := int(taskCode(engine.TaskResult{Status: tt.status, Err: tt.err})); got != tt.want {
+			t.Errorf("taskCode(%v, %v) = %d, want %d", tt.status, tt.err, got, tt.want)
+		}
+	}
+}

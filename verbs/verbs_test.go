@@ -58,6 +58,31 @@ func openFake(t *testing.T) (*verbs.Library, *verbs.Context) {
 	return lib, ctx
 }
 
+// newQPs opens the first fake device and creates n QPs in RESET on one
+// protection domain, sharing one CQ; all are destroyed when the test ends.
+func newQPs(t *testing.T, n int) (*verbs.Context, []*verbs.QP) {
+	t.Helper()
+	_, ctx := openFake(t)
+	pd, err := ctx.AllocPD()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pd.Dealloc() })
+	cq, err := ctx.CreateCQ(64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cq.Destroy() })
+	qps := make([]*verbs.QP, n)
+	for i := range qps {
+		if qps[i], err = pd.CreateQP(cq, cq, 16, 16, 0); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = qps[i].Destroy() })
+	}
+	return ctx, qps
+}
+
 // Every device has an active port, a max MR size and a sysfs path; a RoCE
 // port has a GID, and where sysfs says the GIDs' types (real devices), the
 // one chosen is RoCE v2, which routes over IP.
@@ -89,27 +114,8 @@ func TestDevicesHaveActivePortsAndRoCEv2GIDs(t *testing.T) {
 // -> RTS with each required attribute left out in turn: the provider must
 // refuse every one (EINVAL), and the correct masks must pass.
 func TestBadTransitionMasksAreRefused(t *testing.T) {
-	_, ctx := openFake(t)
-	pd, err := ctx.AllocPD()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pd.Dealloc()
-	cq, err := ctx.CreateCQ(64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cq.Destroy()
-	a, err := pd.CreateQP(cq, cq, 16, 16, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Destroy()
-	b, err := pd.CreateQP(cq, cq, 16, 16, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer b.Destroy()
+	ctx, qps := newQPs(t, 2)
+	a, b := qps[0], qps[1]
 	port := ctx.Ports[0]
 	access := verbs.AccessLocalWrite | verbs.AccessRemoteWrite | verbs.AccessRemoteRead
 	steps := []struct {
@@ -153,4 +159,35 @@ func TestBadTransitionMasksAreRefused(t *testing.T) {
 	if err := a.ToError(); err != nil {
 		t.Fatalf("to error: %v", err)
 	}
+}
+
+// Posting nothing succeeds at once, even on a destroyed QP; a provider's
+// refusal names how many work requests or receives, and the QP; a
+// destroyed QP refuses with ErrClosed and posts nothing.
+func TestPostsOfNothingOfARefusedListAndOnADestroyedQP(t *testing.T) {
+	_, qps := newQPs(t, 1)
+	q := qps[0]
+	sends, recvs := make([]verbs.WR, 2), make([]verbs.RecvWR, 3)
+	check := func(what string, n int, err error, want error, text string) {
+		t.Helper()
+		if n != 0 || !errors.Is(err, want) || (text != "" && fmt.Sprint(err) != text) {
+			t.Errorf("%s: %d posted, %v; want 0, %v %q", what, n, err, want, text)
+		}
+	}
+	// A QP in RESET takes no work request and no receive.
+	n, err := q.PostSend(sends)
+	check("PostSend in RESET", n, err, syscall.EINVAL, fmt.Sprintf("post 2 work requests on qp %#x: invalid argument", q.Num))
+	n, err = q.PostRecv(recvs)
+	check("PostRecv in RESET", n, err, syscall.EINVAL, fmt.Sprintf("post 3 receives on qp %#x: invalid argument", q.Num))
+	if err := q.Destroy(); err != nil {
+		t.Fatal(err)
+	}
+	n, err = q.PostSend(nil)
+	check("PostSend of nothing after Destroy", n, err, nil, "")
+	n, err = q.PostRecv(nil)
+	check("PostRecv of nothing after Destroy", n, err, nil, "")
+	n, err = q.PostSend(sends)
+	check("PostSend after Destroy", n, err, verbs.ErrClosed, verbs.ErrClosed.Error())
+	n, err = q.PostRecv(recvs)
+	check("PostRecv after Destroy", n, err, verbs.ErrClosed, verbs.ErrClosed.Error())
 }

@@ -393,9 +393,9 @@ func TestWriteSeedCorpus(t *testing.T) {
 
 // fuzzDecoder seeds f and fuzzes decode: an input it refuses must be
 // refused with an error wrapping ErrMalformed; an input it takes goes to
-// check with the decoded value. decode gets a copy of the fuzzer's input,
-// which check may overwrite (to show the value does not alias it); in is
-// the fuzzer's own, untouched.
+// check with the decoded value. decode gets a copy of the fuzzer's input
+// and must leave it as it was (a receive buffer is only read); check may
+// then overwrite the copy, to show the value does not alias it.
 func fuzzDecoder[T any](f *testing.F, seeds []namedSeed, decode func([]byte) (T, error), check func(t *testing.T, b []byte, m T)) {
 	for _, s := range seeds {
 		f.Add(s.data)
@@ -403,6 +403,9 @@ func fuzzDecoder[T any](f *testing.F, seeds []namedSeed, decode func([]byte) (T,
 	f.Fuzz(func(t *testing.T, in []byte) {
 		b := append([]byte(nil), in...)
 		m, err := decode(b)
+		if !bytes.Equal(b, in) {
+			t.Fatalf("decoding changed its input:\nin  %x\nnow %x", in, b)
+		}
 		if err != nil {
 			if !errors.Is(err, control.ErrMalformed) {
 				t.Fatalf("decode error %v does not wrap ErrMalformed", err)
