@@ -95,7 +95,11 @@ func TestRDMAStressACKOrFenceIsSafe(t *testing.T) {
 	cfg := rdmaStress()
 	cfg.delayUs = 300
 	cfg.abortDeadline = 12 * time.Second
-	cfg.budget = 15 * time.Second
+	// Runs take about 5 s, or about 15 to 20 s when fences cut many
+	// WRITEs in flight and their requests ask for rkeys again (one run in
+	// two or three, at b8887b3 as now). The budget is there to find a
+	// slowdown by an order of magnitude, not to time the row.
+	cfg.budget = 45 * time.Second
 	cfg.requests = requests(1500, 400)
 	r := runStress(t, cfg)
 	checkProtectedRDMA(t, r)
