@@ -96,8 +96,8 @@ func TestRDMAStressACKOrFenceIsSafe(t *testing.T) {
 	cfg.delayUs = 300
 	cfg.abortDeadline = 12 * time.Second
 	// Runs take about 5 s, or about 15 to 20 s when fences cut many
-	// WRITEs in flight and their requests ask for rkeys again (one run in
-	// two or three, at b8887b3 as now). The budget is there to find a
+	// WRITEs in flight and their requests ask for rkeys again (about half
+	// the runs on a 2-core machine). The budget is there to find a
 	// slowdown by an order of magnitude, not to time the row.
 	cfg.budget = 45 * time.Second
 	cfg.requests = requests(1500, 400)
