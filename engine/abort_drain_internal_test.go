@@ -67,7 +67,7 @@ func TestAbortLearnedFromRefusalStillDrainsBeforeACK(t *testing.T) {
 	if err := b.Submit(ctx, []Request{req(1)}); err != nil { // refused: the initiator learns
 		t.Fatal(err)
 	}
-	pollUntil(t, "the initiator's tombstone from the refusal", func() bool {
+	until(t, 10*time.Second, "the initiator's tombstone from the refusal", func() bool {
 		init.abortMu.RLock()
 		defer init.abortMu.RUnlock()
 		return init.tombOf(tombKey{owner.Name(), rid}) != nil

@@ -121,17 +121,25 @@ func requireNoLeaks(t *testing.T, cycle func()) {
 		cycle()
 	}
 	g, f := settle(g0, f0)
+	reportLeaks(t, "closing the engines", g0, g, f0, f, fdsBefore)
+	t.Logf("goroutines %d -> %d, fds %d -> %d", g0, g, f0, f)
+}
+
+// reportLeaks fails the test when more goroutines (g against g0) or file
+// descriptors (f against f0) are left after what than before, with the
+// goroutines' stacks and both descriptor lists.
+func reportLeaks(t *testing.T, after string, g0, g, f0, f int, fdsBefore []string) {
+	t.Helper()
 	if g > g0 {
 		buf := make([]byte, 1<<20)
 		buf = buf[:runtime.Stack(buf, true)]
-		t.Errorf("goroutines: %d before, %d after closing the engines\n%s", g0, g, buf)
+		t.Errorf("goroutines: %d before, %d after %s\n%s", g0, g, after, buf)
 	}
 	if f > f0 {
 		_, fdsAfter := countFDs(t)
-		t.Errorf("open file descriptors: %d before, %d after\nbefore:\n%s\nafter:\n%s",
-			f0, f, strings.Join(fdsBefore, "\n"), strings.Join(fdsAfter, "\n"))
+		t.Errorf("open file descriptors: %d before, %d after %s\nbefore:\n%s\nafter:\n%s",
+			f0, f, after, strings.Join(fdsBefore, "\n"), strings.Join(fdsAfter, "\n"))
 	}
-	t.Logf("goroutines %d -> %d, fds %d -> %d", g0, g, f0, f)
 }
 
 // Aborts with several initiators and a fake one, grants, revokes,

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"runtime"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -199,14 +198,5 @@ func TestCloseAfterTimeoutAgainstStoppedPeerLeavesNothingRunning(t *testing.T) {
 		f, _ = countFDs(t)
 		return g <= g0 && f <= f0
 	})
-	if g > g0 {
-		buf := make([]byte, 1<<20)
-		buf = buf[:runtime.Stack(buf, true)]
-		t.Errorf("goroutines: %d before the engine, %d a second after its Close\n%s", g0, g, buf)
-	}
-	if f > f0 {
-		_, fdsAfter := countFDs(t)
-		t.Errorf("open file descriptors: %d before the engine, %d a second after its Close\nbefore:\n%s\nafter:\n%s",
-			f0, f, strings.Join(fdsBefore, "\n"), strings.Join(fdsAfter, "\n"))
-	}
+	reportLeaks(t, "the engine's Close and a second to settle", g0, g, f0, f, fdsBefore)
 }
