@@ -9,3 +9,5 @@ require (
 )
 
 require github.com/NVIDIA/go-nvml v0.13.4-1
+
+require golang.org/x/crypto v0.59.0 // indirect

@@ -64,6 +64,10 @@ var (
 	// ErrNoAllowlist: Reload on an Authority that has no allowlist file
 	// (one built from a cluster secret).
 	ErrNoAllowlist = errors.New("auth: no allowlist file to reload")
+	// ErrUnauthenticated: a peer did not prove an identity the allowlist
+	// accepts, or would not accept ours. The control plane and the data
+	// plane both wrap it.
+	ErrUnauthenticated = errors.New("peer not authenticated")
 )
 
 // Identity is a key pair.

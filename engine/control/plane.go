@@ -19,6 +19,7 @@ import (
 
 	zmq "github.com/pebbe/zmq4"
 
+	"github.com/kvferry/kvferry/engine/auth"
 	"github.com/kvferry/kvferry/internal/defaults"
 	"github.com/kvferry/kvferry/internal/ratelog"
 )
@@ -75,6 +76,12 @@ type Options struct {
 	// peer opens it again. So a peer we reached once (a name taken from a
 	// grant, or one that went away) does not keep a socket for ever.
 	PeerIdleTimeout time.Duration
+	// Auth, when set, runs CURVE on every connection both ways: a peer
+	// whose key Auth does not allow, or that speaks NULL, is refused
+	// during the handshake and never reaches a handler; we send nothing
+	// to a peer that does not prove a key Auth allows. Nil: the NULL
+	// mechanism, open to anyone (Mooncake's behaviour).
+	Auth *auth.Authority
 }
 
 // Defaults of Options.
@@ -138,10 +145,11 @@ type Stats struct {
 	ConnsCut      uint64 // connections closed for a protocol error or a timeout
 	OverBudget    uint64 // messages dropped because BufferBytes was spent
 	BufferedBytes uint64 // bytes of partly received messages held now
+	AuthRefused   uint64 // connections refused for authentication: peers not let in, and peers we would not trust
 }
 
 type counters struct {
-	received, malformed, unmatched, sendFails, refused, cut, overBudget atomic.Uint64
+	received, malformed, unmatched, sendFails, refused, cut, overBudget, authRefused atomic.Uint64
 	conns, peers                                                        atomic.Int64
 }
 
@@ -155,11 +163,13 @@ type op struct {
 	noDial bool // send only over a connection that exists
 	typ    MsgType
 	body   []byte // unpacked, for a message to our own name
+	fn     func() // run on the loop (Revoke, PeerKey)
 }
 
 type reply struct {
 	env  Envelope
 	body []byte
+	err  error // the request failed here (the peer did not authenticate)
 }
 
 // waiter is a request waiting for its reply: only a reply from the peer it
@@ -177,6 +187,7 @@ type conn struct {
 	name     string // inbound: the peer's name, once its READY came; outbound: the peer
 	host     string // inbound: the remote address
 	rd       *zmtpReader
+	sec      *curveSession // with Options.Auth: the connection's CURVE state
 	live     bool      // outbound: the TCP connection is up now
 	since    time.Time // when it (re)connected
 	msgSince time.Time // when the message in progress began; zero when none
@@ -370,7 +381,7 @@ func (p *Plane) Stats() Stats {
 		Unmatched: p.stats.unmatched.Load(), SendFails: p.stats.sendFails.Load(),
 		Conns: int(p.stats.conns.Load()), Peers: int(p.stats.peers.Load()),
 		ConnsRefused: p.stats.refused.Load(), ConnsCut: p.stats.cut.Load(),
-		OverBudget: p.stats.overBudget.Load(), BufferedBytes: atomic.LoadUint64(&p.buffered) + atomic.LoadUint64(&p.bufferedOut)}
+		OverBudget: p.stats.overBudget.Load(), AuthRefused: p.stats.authRefused.Load(), BufferedBytes: atomic.LoadUint64(&p.buffered) + atomic.LoadUint64(&p.bufferedOut)}
 }
 
 func (p *Plane) closeSockets() {

@@ -132,18 +132,32 @@ func (p *Plane) resetReader(c *conn) {
 		c.rd.drop()
 		c.rd = nil
 	}
+	if c.sec != nil {
+		c.sec.out.drop()
+		c.sec = nil
+	}
 	c.msgSince = time.Time{}
 }
 
 func (p *Plane) newReader(c *conn) *zmtpReader {
-	// A frame's size is reserved when its header arrives: a few headers of
-	// 16 MiB frames that never come hold the budget until MessageTimeout.
-	// Peers we chose to talk to draw from a budget of their own.
+	reserve, release := p.budget(c)
+	rd := newZMTPReader(zmtpLimits{maxFrames: MaxFrames - 1, maxFrame: MaxBody + EnvelopeSize, maxBytes: MaxBody + EnvelopeSize},
+		reserve, release)
+	rd.onReady = func() error { return p.becameReady(c) }
+	return rd
+}
+
+// budget returns the functions that reserve and release buffer bytes for
+// c's partly received frames. A frame's size is reserved when its header
+// arrives: a few headers of 16 MiB frames that never come hold the budget
+// until MessageTimeout. Peers we chose to talk to draw from a budget of
+// their own.
+func (p *Plane) budget(c *conn) (reserve func(uint64) bool, release func(uint64)) {
 	held := &p.buffered
 	if !c.inbound {
 		held = &p.bufferedOut
 	}
-	reserve := func(n uint64) bool {
+	reserve = func(n uint64) bool {
 		if atomic.LoadUint64(held)+n > p.opts.BufferBytes {
 			p.stats.overBudget.Add(1)
 			return false
@@ -151,9 +165,6 @@ func (p *Plane) newReader(c *conn) *zmtpReader {
 		atomic.AddUint64(held, n)
 		return true
 	}
-	release := func(n uint64) { atomic.AddUint64(held, -n) }
-	rd := newZMTPReader(zmtpLimits{maxFrames: MaxFrames - 1, maxFrame: MaxBody + EnvelopeSize, maxBytes: MaxBody + EnvelopeSize},
-		reserve, release)
-	rd.onReady = func() error { return p.becameReady(c) }
-	return rd
+	release = func(n uint64) { atomic.AddUint64(held, -n) }
+	return reserve, release
 }

@@ -90,6 +90,10 @@ func (p *Plane) loop() {
 
 // run carries out one op on the loop.
 func (p *Plane) run(o op) {
+	if o.fn != nil {
+		o.fn()
+		return
+	}
 	if o.close {
 		if c := p.outPeer[o.peer]; c != nil {
 			p.dropOutbound(c)
@@ -154,7 +158,7 @@ func (c *conn) ready() bool { return c.live && c.rd != nil && c.rd.ready }
 // turn of the loop; an ended pipe queues them for a new connection.
 func (p *Plane) flush(c *conn) {
 	for len(c.queue) > 0 {
-		err := p.sendRaw(c.id, c.queue[0])
+		err := p.sendMsg(c, c.queue[0])
 		switch {
 		case err == nil:
 		case zmq.AsErrno(err) == zmq.Errno(syscall.EAGAIN):
@@ -250,7 +254,11 @@ func (p *Plane) drain() {
 			default: // our connection came up
 				c.live, c.since = true, time.Now()
 				c.rd = p.newReader(c)
-				_ = p.sendRaw(c.id, append(zmtpGreeting(), zmtpReady("DEALER", p.name)...))
+				if p.opts.Auth == nil {
+					_ = p.sendRaw(c.id, append(zmtpGreeting(), zmtpReady("DEALER", p.name)...))
+				} else if err := p.secure(c, false); err != nil {
+					p.retire(c)
+				}
 			}
 			continue
 		}
@@ -282,13 +290,17 @@ func (p *Plane) accept(id, host string) {
 	p.conns[id] = c
 	p.perHost[host]++
 	p.stats.conns.Add(1)
-	_ = p.sendRaw(id, append(zmtpGreeting(), zmtpReady("ROUTER", "")...))
+	if p.opts.Auth == nil {
+		_ = p.sendRaw(id, append(zmtpGreeting(), zmtpReady("ROUTER", "")...))
+	} else if err := p.secure(c, true); err != nil {
+		p.closeInbound(c)
+	}
 }
 
 // feed parses bytes of connection c and handles the messages they end.
 func (p *Plane) feed(c *conn, data []byte) {
 	ended := false
-	err := c.rd.feed(data, func(frames [][]byte, dropped error) {
+	emit := func(frames [][]byte, dropped error) {
 		ended = true
 		c.used = time.Now()
 		p.stats.received.Add(1)
@@ -301,7 +313,16 @@ func (p *Plane) feed(c *conn, data []byte) {
 		} else {
 			p.handleReply(c, frames)
 		}
-	})
+	}
+	var err error
+	if c.sec != nil {
+		err = p.feedSecure(c, data, emit)
+	} else {
+		err = c.rd.feed(data, emit)
+	}
+	if c.rd == nil {
+		return // refused for authentication: already closed
+	}
 	if err != nil {
 		p.stats.cut.Add(1)
 		p.warn.Warn("proto", "control: connection closed: protocol error", "peer", c.name, "address", c.host, "err", err)
@@ -309,7 +330,7 @@ func (p *Plane) feed(c *conn, data []byte) {
 		return
 	}
 	switch {
-	case !c.rd.inMessage():
+	case !c.rd.inMessage() && (c.sec == nil || !c.sec.out.partial()):
 		c.msgSince = time.Time{}
 	case ended || c.msgSince.IsZero():
 		c.msgSince = time.Now()

@@ -37,6 +37,9 @@ func (p *Plane) Request(ctx context.Context, peer string, t MsgType, body []byte
 	}
 	select {
 	case r := <-ch:
+		if r.err != nil {
+			return 0, nil, fmt.Errorf("control: %s to %s: %w", t, peer, r.err)
+		}
 		if r.env.Type == MsgError {
 			return 0, nil, fmt.Errorf("control: %s from %s: %w: %s", t, peer, ErrRemote, r.body)
 		}

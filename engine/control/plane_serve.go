@@ -55,7 +55,7 @@ func (p *Plane) handleRequest(c *conn, frames [][]byte) {
 // libzmq's send queue refuses joins the backlog while there is room.
 func (p *Plane) reply(c *conn, msg []byte) {
 	if len(c.backlog) == 0 {
-		err := p.sendRaw(c.id, msg)
+		err := p.sendMsg(c, msg)
 		if err == nil {
 			return
 		}
@@ -79,7 +79,7 @@ func (p *Plane) reply(c *conn, msg []byte) {
 // drainBacklog sends what c's backlog holds while libzmq takes it.
 func (p *Plane) drainBacklog(c *conn) {
 	for len(c.backlog) > 0 {
-		err := p.sendRaw(c.id, c.backlog[0])
+		err := p.sendMsg(c, c.backlog[0])
 		if err != nil && zmq.AsErrno(err) == zmq.Errno(syscall.EAGAIN) {
 			return
 		}
