@@ -72,6 +72,9 @@ fuzz-short:
 	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeFenceMsg$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzDecodeFenceAck$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzZMTPReader$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzCurveServerHandshake$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzCurveClientHandshake$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzCurveMessages$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/transport/tcp -run='^$$' -fuzz='^FuzzHeaderDecode$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/transport/rdma -run='^$$' -fuzz='^FuzzDecode$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./verbs/topo -run='^$$' -fuzz='^FuzzParseFilter$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s

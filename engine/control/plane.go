@@ -150,7 +150,7 @@ type Stats struct {
 
 type counters struct {
 	received, malformed, unmatched, sendFails, refused, cut, overBudget, authRefused atomic.Uint64
-	conns, peers                                                        atomic.Int64
+	conns, peers                                                                     atomic.Int64
 }
 
 // op is work handed to the loop goroutine.
@@ -188,15 +188,15 @@ type conn struct {
 	host     string // inbound: the remote address
 	rd       *zmtpReader
 	sec      *curveSession // with Options.Auth: the connection's CURVE state
-	live     bool      // outbound: the TCP connection is up now
-	since    time.Time // when it (re)connected
-	msgSince time.Time // when the message in progress began; zero when none
-	used     time.Time // outbound: when it last carried a message either way
-	queue    [][]byte  // outbound: encoded messages waiting for the peer's READY
-	closing  bool      // inbound: we closed it, libzmq has not yet (see closeInbound)
-	backlog  [][]byte  // inbound: replies libzmq's send queue refused, in order
-	blBytes  int       // their bytes
-	blSince  time.Time // when the backlog last became non-empty
+	live     bool          // outbound: the TCP connection is up now
+	since    time.Time     // when it (re)connected
+	msgSince time.Time     // when the message in progress began; zero when none
+	used     time.Time     // outbound: when it last carried a message either way
+	queue    [][]byte      // outbound: encoded messages waiting for the peer's READY
+	closing  bool          // inbound: we closed it, libzmq has not yet (see closeInbound)
+	backlog  [][]byte      // inbound: replies libzmq's send queue refused, in order
+	blBytes  int           // their bytes
+	blSince  time.Time     // when the backlog last became non-empty
 }
 
 // Plane is one engine's control plane. Request and Close are safe for
