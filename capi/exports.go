@@ -103,6 +103,17 @@ func engineOptions(copts *C.kvf_engine_options) (engine.Options, int, error) {
 	if c.protocol != nil {
 		o.Protocol = C.GoString(c.protocol)
 	}
+	for _, f := range []struct {
+		src *C.char
+		dst *string
+	}{
+		{c.advertise_host, &o.AdvertiseHost}, {c.secret_key_file, &o.SecretKeyFile},
+		{c.allowlist_file, &o.AllowlistFile}, {c.cluster_secret_file, &o.ClusterSecretFile},
+	} {
+		if f.src != nil {
+			*f.dst = C.GoString(f.src)
+		}
+	}
 	o.Port = int(c.port)
 	o.PathsPerPeer = int(c.paths_per_peer)
 	if c.slice_size > 1<<40 {
@@ -198,6 +209,29 @@ func kvfgo_engine_name(h C.uintptr_t, buf *C.char, capacity C.size_t, lenOut *C.
 	})
 }
 
+//export kvfgo_engine_public_key
+func kvfgo_engine_public_key(h C.uintptr_t, buf *C.char, capacity C.size_t, lenOut *C.size_t) C.int {
+	return withHandle("kvf_engine_public_key", h, func(fn string, eh *engineH) C.int {
+		k, ok := eh.e.PublicKey()
+		if !ok {
+			return failf(fn, errUnsupported, "authentication is off (no secret key or cluster secret)")
+		}
+		return copyString(fn, k, buf, capacity, lenOut)
+	})
+}
+
+//export kvfgo_engine_reload_allowlist
+func kvfgo_engine_reload_allowlist(h C.uintptr_t, timeoutMs C.int) C.int {
+	return withHandle("kvf_engine_reload_allowlist", h, func(fn string, eh *engineH) C.int {
+		ctx, cancel, ok := boundedCtx(timeoutMs, eh.defTimeout)
+		if !ok {
+			return badTimeout(fn, timeoutMs)
+		}
+		defer cancel()
+		return result(fn, eh.e.ReloadAllowlist(ctx))
+	})
+}
+
 //export kvfgo_engine_stats
 func kvfgo_engine_stats(h C.uintptr_t, out *C.kvf_stats) C.int {
 	return withHandle("kvf_engine_stats", h, func(fn string, eh *engineH) C.int {
@@ -257,6 +291,7 @@ func kvfgo_engine_stats(h C.uintptr_t, out *C.kvf_stats) C.int {
 		c.fence_acks = C.uint64_t(s.FenceAcks)
 		c.fence_acks_unmatched = C.uint64_t(s.FenceAcksUnmatched)
 		c.fences_received = C.uint64_t(s.FencesReceived)
+		c.auth_refused = C.uint64_t(s.AuthRefused)
 		// Fill what the caller's struct has room for; leave any newer tail alone.
 		n := min(size, unsafe.Sizeof(c))
 		copy(unsafe.Slice((*byte)(unsafe.Pointer(out)), n), unsafe.Slice((*byte)(unsafe.Pointer(&c)), n))

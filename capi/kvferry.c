@@ -19,11 +19,11 @@ _Static_assert(sizeof(void *) == 8, "kvferry needs a 64-bit platform");
 _Static_assert(sizeof(kvf_engine) == sizeof(uintptr_t), "handles are uintptr_t ids");
 _Static_assert(sizeof(kvf_request) == 48, "kvf_request layout is part of the ABI");
 _Static_assert(sizeof(kvf_task_status) == 16, "kvf_task_status layout is part of the ABI");
-_Static_assert(sizeof(kvf_engine_options) == 72, "kvf_engine_options layout is part of the ABI");
+_Static_assert(sizeof(kvf_engine_options) == 104, "kvf_engine_options layout is part of the ABI");
 _Static_assert(sizeof(kvf_memory_range) == 24, "kvf_memory_range layout is part of the ABI");
 _Static_assert(sizeof(kvf_event) == 152, "kvf_event layout is part of the ABI");
 _Static_assert(sizeof(kvf_fence_result) == 32, "kvf_fence_result layout is part of the ABI");
-_Static_assert(KVF_STATUS_MAX == KVF_ERR_FENCED, "KVF_STATUS_MAX is the last code");
+_Static_assert(KVF_STATUS_MAX == KVF_ERR_UNAUTHENTICATED, "KVF_STATUS_MAX is the last code");
 
 /* ---- the calling thread's last error ---------------------------------- */
 
@@ -96,6 +96,7 @@ const char *kvf_status_str(int status) {
     case KVF_ERR_TRUNCATED: return "output buffer too small";
     case KVF_ERR_IN_USE: return "memory may still be touched";
     case KVF_ERR_FENCED: return "range fenced by the owner";
+    case KVF_ERR_UNAUTHENTICATED: return "peer not authenticated";
     }
     return "unknown status";
 }
@@ -128,6 +129,14 @@ kvf_status kvf_engine_destroy(kvf_engine engine) { return (kvf_status)kvfgo_engi
 
 kvf_status kvf_engine_name(kvf_engine engine, char *buf, size_t cap, size_t *len_out) {
     return (kvf_status)kvfgo_engine_name(H(engine), buf, cap, len_out);
+}
+
+kvf_status kvf_engine_public_key(kvf_engine engine, char *buf, size_t cap, size_t *len_out) {
+    return (kvf_status)kvfgo_engine_public_key(H(engine), buf, cap, len_out);
+}
+
+kvf_status kvf_engine_reload_allowlist(kvf_engine engine, int timeout_ms) {
+    return (kvf_status)kvfgo_engine_reload_allowlist(H(engine), timeout_ms);
 }
 
 kvf_status kvf_engine_stats(kvf_engine engine, kvf_stats *out) {

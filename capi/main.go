@@ -63,6 +63,7 @@ const (
 	errTruncated         C.int = C.KVF_ERR_TRUNCATED
 	errInUse             C.int = C.KVF_ERR_IN_USE
 	errFenced            C.int = C.KVF_ERR_FENCED
+	errUnauthenticated   C.int = C.KVF_ERR_UNAUTHENTICATED
 	defaultTimeoutMillis       = C.KVF_TIMEOUT_DEFAULT
 )
 
@@ -78,6 +79,7 @@ var causes = []struct {
 	errs []error
 }{
 	{errHandleCode, []error{errHandle, engine.ErrBatchFreed}},
+	{errUnauthenticated, []error{engine.ErrUnauthenticated}},
 	{errInUse, []error{engine.ErrMemoryInUse}},
 	{errClosed, []error{engine.ErrClosed, transport.ErrClosed, control.ErrClosed}},
 	{errUnreachable, []error{engine.ErrUnreachable, engine.ErrPeerDead}},

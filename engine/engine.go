@@ -27,6 +27,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvferry/kvferry/engine/auth"
 	"github.com/kvferry/kvferry/engine/control"
 	"github.com/kvferry/kvferry/engine/fence"
 	"github.com/kvferry/kvferry/engine/internal/bounded"
@@ -54,6 +55,10 @@ type BufferKey = memory.Key
 // Engine is one transfer engine. All methods are safe for concurrent use.
 type Engine struct {
 	opts  Options
+	// auth is the engine's identity and allowlist; nil with
+	// authentication off. authMu serialises allowlist reloads.
+	auth   *auth.Authority
+	authMu sync.Mutex
 	log   *slog.Logger
 	reg   *memory.Registry
 	plane *control.Plane
@@ -174,10 +179,18 @@ func New(opts Options) (*Engine, error) {
 	host := strings.TrimSuffix(strings.TrimPrefix(opts.Host, "["), "]")
 	// A host name ("localhost", the machine's name, an FQDN) is resolved
 	// once here: both planes listen on its address, and the engine keeps
-	// the name the user gave as its segment name.
-	bindHost, advertise, err := resolveListenHost(host)
+	// the name the user gave (or AdvertiseHost) as its segment name.
+	hosts, err := planListenHosts(host, opts.AdvertiseHost)
 	if err != nil {
 		return nil, fmt.Errorf("kvferry: %w: %w", ErrInvalidArg, err)
+	}
+	authority, err := newAuthority(opts)
+	if err != nil {
+		return nil, fmt.Errorf("kvferry: %w: %w", ErrInvalidArg, err)
+	}
+	if authority == nil && !isLoopbackBind(hosts.bind) {
+		opts.Logger.Warn("kvferry: listening beyond this host without authentication: any process that reaches the ports can read and write registered memory; set SecretKeyFile and AllowlistFile, or ClusterSecretFile",
+			"bind", hosts.bind)
 	}
 	e := &Engine{
 		opts: opts, log: opts.Logger, peerLog: ratelog.New(opts.Logger), reg: memory.NewRegistry(),
@@ -188,12 +201,13 @@ func New(opts Options) (*Engine, error) {
 		events:  make(chan Event, opts.EventQueue), efd: -1,
 		fenceDebts: newFenceDebts(maxFenceDebts), fenceOwed: map[string]int{}, protoSaid: newProtoSaid(), noRIDWarned: newNoRIDWarned(), admitted: newAccessCache(),
 		fences: fence.New(0), planners: map[string]time.Time{}, pendFences: map[uint64]*pendingFence{},
+		auth: authority,
 	}
 	e.setMaxTombOwners(MaxTombstoneOwners)
 	e.closeCtx, e.cancel = context.WithCancel(context.Background())
-	plane, err := control.ListenWith(bindHost, opts.Port, control.Options{
+	plane, err := control.ListenWith(hosts.bind, opts.Port, control.Options{
 		MaxConns: opts.ControlMaxConns, MaxConnsPerHost: opts.ControlMaxConnsPerHost,
-		BufferBytes: uint64(opts.ControlBufferMiB) << 20, Advertise: advertise,
+		BufferBytes: uint64(opts.ControlBufferMiB) << 20, Advertise: hosts.advertise, Auth: authority,
 	}, e.log)
 	if err != nil {
 		// Mostly a host that is not ours or a port in use: the options'
@@ -203,7 +217,7 @@ func New(opts Options) (*Engine, error) {
 	}
 	e.plane = plane
 	e.tcp = tcp.New(tcp.Options{
-		ListenHost: bindHost, IOTimeout: opts.IOTimeout, Logger: e.log, ApplyDelay: opts.Testing.ApplyDelay,
+		ListenHost: hosts.bind, IOTimeout: opts.IOTimeout, Auth: authority, Logger: e.log, ApplyDelay: opts.Testing.ApplyDelay,
 		MaxConnsPerPeer: opts.TCPMaxConnsPerPeer, MaxConns: opts.TCPMaxConns, IdleTimeout: opts.TCPIdleTimeout,
 		FrameTimeout: opts.TCPFrameTimeout, MinRate: opts.TCPMinRate,
 	})
@@ -217,7 +231,7 @@ func New(opts Options) (*Engine, error) {
 	e.local.ChunkDelay = opts.Testing.LocalChunkDelay
 	e.desc = control.Descriptor{
 		Name: plane.Name(), Version: control.ProtocolVersion,
-		Transports: []control.TransportAddr{{Name: "tcp", Addr: tcpAddr}},
+		Transports: []control.TransportAddr{{Name: "tcp", Addr: hosts.dataAddr(tcpAddr)}},
 	}
 	if err := e.startRDMA(); err != nil {
 		e.cancel()

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"errors"
+	"github.com/kvferry/kvferry/engine/auth"
 
 	"github.com/kvferry/kvferry/engine/control"
 	"github.com/kvferry/kvferry/engine/memory"
@@ -43,4 +44,7 @@ var (
 	ErrRefused     = transport.ErrRefused
 	ErrConnection  = transport.ErrConnection
 	ErrUnreachable = control.ErrUnreachable
+	// ErrUnauthenticated: with authentication on, the peer did not prove
+	// a key our allowlist holds (or refused ours); nothing was sent to it.
+	ErrUnauthenticated = auth.ErrUnauthenticated
 )

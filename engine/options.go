@@ -19,6 +19,10 @@ import (
 //	field              variable                     default
 //	Host               KVFERRY_HOST                 127.0.0.1
 //	Port               KVFERRY_PORT                 0 (the kernel picks)
+//	AdvertiseHost      KVFERRY_ADVERTISE_HOST       "" (Host; for a wildcard Host, this machine's name or first address)
+//	SecretKeyFile      KVFERRY_SECRET_KEY_FILE      "" (no authentication)
+//	AllowlistFile      KVFERRY_ALLOWLIST_FILE       ""
+//	ClusterSecretFile  KVFERRY_CLUSTER_SECRET_FILE  "" (instead of the two above)
 //	Protocol           KVFERRY_PROTOCOL             auto (rdma when both ends have it, else tcp)
 //	RDMALibrary        KVFERRY_IBVERBS_LIBRARY      libibverbs.so.1
 //	RDMADevices        KVFERRY_RDMA_DEVICES         "" (every active port)
@@ -58,6 +62,30 @@ type Options struct {
 	// Port is the control plane's port; 0 picks a free one, reported by
 	// Engine.Name.
 	Port int
+	// AdvertiseHost is the host peers reach this engine at, when it is
+	// not the one it binds (Host): a container's or NAT's outside
+	// address, one name of a multi-homed host. It becomes the host part
+	// of the segment name and of the data-plane addresses in the
+	// descriptor. With a wildcard Host ("0.0.0.0", "::") and no
+	// AdvertiseHost, New advertises this machine's name when it resolves
+	// to one of its addresses, else its first non-loopback address.
+	AdvertiseHost string
+	// SecretKeyFile holds this engine's CURVE secret key (40 Z85
+	// characters, or a czmq certificate; see `kvferry keygen`); with
+	// AllowlistFile it turns authentication on: every peer, on the
+	// control plane and on tcp data connections, must prove a key the
+	// allowlist holds, and this engine talks to no peer that does not.
+	// The file must not be readable by group or others.
+	SecretKeyFile string
+	// AllowlistFile lists the public keys of the peers let in, one Z85
+	// key per line ('#' starts a comment). Engine.ReloadAllowlist reads it
+	// again and cuts the peers whose keys it no longer lists.
+	AllowlistFile string
+	// ClusterSecretFile turns authentication on for simple deployments:
+	// every engine holding the same secret (at least 16 bytes) derives the
+	// same key pair and accepts only it. It replaces SecretKeyFile and
+	// AllowlistFile.
+	ClusterSecretFile string
 	// Protocol is the data-plane transport for remote segments: "auto"
 	// uses rdma with peers that offer it when this engine has an RDMA
 	// device, tcp otherwise (the choice is logged once per peer); "tcp"
@@ -266,6 +294,10 @@ func (o *Options) applyEnv() error {
 		return nil
 	}
 	str("KVFERRY_HOST", &o.Host)
+	str("KVFERRY_ADVERTISE_HOST", &o.AdvertiseHost)
+	str("KVFERRY_SECRET_KEY_FILE", &o.SecretKeyFile)
+	str("KVFERRY_ALLOWLIST_FILE", &o.AllowlistFile)
+	str("KVFERRY_CLUSTER_SECRET_FILE", &o.ClusterSecretFile)
 	str("KVFERRY_PROTOCOL", &o.Protocol)
 	str("KVFERRY_IBVERBS_LIBRARY", &o.RDMALibrary)
 	str("KVFERRY_RDMA_DEVICES", &o.RDMADevices)

@@ -27,8 +27,12 @@ type Stats struct {
 	ControlConnsCut     uint64 // control connections closed for a protocol error or a timeout
 	ControlOverBudget   uint64 // control messages dropped unread: ControlBufferMiB spent
 	ControlSendFails    uint64 // control messages not sent (no connection for an answer, queue full)
-	Registrations       int    // registered ranges
-	OpenSegments        int
+	// AuthRefused counts peers refused for authentication (control and
+	// tcp data connections that did not prove an allowed key, peers we
+	// would not trust, peers cut when their key left the allowlist).
+	AuthRefused   uint64
+	Registrations int // registered ranges
+	OpenSegments  int
 
 	// TCP data connections, as owner.
 	DataConns     int64  // accepted data connections open now
@@ -124,7 +128,8 @@ func (e *Engine) Stats() Stats {
 	nfenced := e.fenceDebts.Len()
 	e.fenceMu.Unlock()
 	return Stats{
-		RDMANICs: nics, RDMAWorkRequests: rs2.Posted, RDMAErrorWCs: rs2.ErrorCompletions,
+		AuthRefused: c.AuthRefused + t.AuthRefused,
+		RDMANICs:    nics, RDMAWorkRequests: rs2.Posted, RDMAErrorWCs: rs2.ErrorCompletions,
 		RDMAFailovers: rs2.Failovers, RDMAFences: rs2.Fences, RDMAFencesPending: nfenced,
 		RDMANotifications: rs2.Notifies, RDMAGPUDmabuf: rs2.DmabufMRs, RDMAGPUPeermem: rs2.PeermemMRs,
 		RDMAStalls: rs2.Stalls, RDMAPostedByNIC: rs2.PostedByNIC,

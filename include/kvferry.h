@@ -58,12 +58,12 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define KVF_VERSION_MAJOR 0
-#define KVF_VERSION_MINOR 4
+#define KVF_VERSION_MINOR 5
 #define KVF_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, as zstd's ZSTD_VERSION_NUMBER. */
 #define KVF_VERSION_NUMBER \
     (KVF_VERSION_MAJOR * 10000 + KVF_VERSION_MINOR * 100 + KVF_VERSION_PATCH)
-#define KVF_VERSION_STRING "0.4.0"
+#define KVF_VERSION_STRING "0.5.0"
 
 /* The library's KVF_VERSION_NUMBER, to check that header and library agree
  * (the major version must match; a library at least as new as the header is
@@ -111,14 +111,18 @@ typedef enum kvf_status {
                                     neither completed nor flushed its work):
                                     do not reuse that memory; its tasks stay
                                     in flight */
-    KVF_ERR_FENCED = 23          /* since 0.4: the owner fenced a range the
+    KVF_ERR_FENCED = 23,         /* since 0.4: the owner fenced a range the
                                     transfer touches (kvf_fence_memory) after
                                     the transfer was planned; final for that
                                     transfer, never retried: plan a new one */
+    KVF_ERR_UNAUTHENTICATED = 24 /* since 0.5: with authentication on, the
+                                    peer did not prove a key our allowlist
+                                    holds, or refused ours; nothing was sent
+                                    to it */
 } kvf_status;
 
 /* Largest status code of this version. */
-#define KVF_STATUS_MAX 23
+#define KVF_STATUS_MAX 24
 
 /* A static, never NULL, English name of a status code, e.g. "invalid
  * argument"; "unknown status" for codes this version does not know. */
@@ -206,6 +210,27 @@ typedef struct kvf_engine_options {
                                    or leave it 0 and set GOMAXPROCS in the
                                    environment. */
     int32_t reserved;           /* must be 0 */
+    /* Since 0.5. Authentication is off unless secret_key_file with
+     * allowlist_file, or cluster_secret_file, is set; then every peer, on
+     * the control plane (CURVE) and on tcp data connections, must prove a
+     * key the allowlist holds, and the engine talks to no peer that does
+     * not. KVFERRY_ADVERTISE_HOST, KVFERRY_SECRET_KEY_FILE,
+     * KVFERRY_ALLOWLIST_FILE and KVFERRY_CLUSTER_SECRET_FILE override. */
+    const char *advertise_host;      /* host peers reach us at when it is not
+                                        host (containers, NAT, multi-homed);
+                                        names the segment and the data-plane
+                                        addresses. NULL: host; for a wildcard
+                                        host ("0.0.0.0", "::"), the machine's
+                                        name or first non-loopback address */
+    const char *secret_key_file;     /* our CURVE secret key, 40 Z85
+                                        characters or a czmq certificate
+                                        (`kvferry keygen`); mode 0600 */
+    const char *allowlist_file;      /* peers' public keys, one Z85 key per
+                                        line; read again by
+                                        kvf_engine_reload_allowlist */
+    const char *cluster_secret_file; /* instead of the two above: a secret
+                                        (>= 16 bytes, mode 0600) every engine
+                                        of the cluster shares */
 } kvf_engine_options;
 
 /* Sets every field to its default (zero) and struct_size to the size this
@@ -238,6 +263,21 @@ kvf_status kvf_engine_destroy(kvf_engine engine);
  * nothing is written then). buf NULL with cap 0 is a length query and
  * returns KVF_OK. Peers open the engine by this name. */
 kvf_status kvf_engine_name(kvf_engine engine, char *buf, size_t cap, size_t *len_out);
+
+/* Copies the engine's public key (40 Z85 characters, what peers list in
+ * their allowlist files), NUL-terminated, into buf of cap bytes, as
+ * kvf_engine_name does. KVF_ERR_UNSUPPORTED when authentication is off. */
+kvf_status kvf_engine_public_key(kvf_engine engine, char *buf, size_t cap, size_t *len_out);
+
+/* Reads the allowlist file again. Peers whose keys it no longer lists are
+ * cut before it returns: control and tcp data connections closed, rdma QPs
+ * moved to the error state and destroyed, so no byte of theirs lands
+ * afterwards; their next connection is refused. KVF_ERR_INVALID when the
+ * engine has no allowlist file (authentication off, or a cluster secret)
+ * or the file is unusable (the allowlist in force stays); KVF_ERR_TIMEOUT
+ * when cutting did not finish within timeout_ms (KVF_TIMEOUT_DEFAULT: the
+ * engine's default timeout). */
+kvf_status kvf_engine_reload_allowlist(kvf_engine engine, int timeout_ms);
 
 /* A snapshot of an engine's counters. Set struct_size before the call; the
  * library fills the fields it knows up to struct_size. */
@@ -294,6 +334,8 @@ typedef struct kvf_stats {
     uint64_t fence_acks;           /* fence notices acknowledged by the peers told */
     uint64_t fence_acks_unmatched; /* acknowledgements dropped: late, duplicate, unknown */
     uint64_t fences_received;      /* fence notices received from owners we write to or read from */
+    uint64_t auth_refused;         /* since 0.5: peers refused for authentication (control
+                                      and data connections), or cut when their key left the allowlist */
 } kvf_stats;
 
 /* Fills *out (struct_size set by the caller, at least 8). Never blocks. */

@@ -78,6 +78,12 @@ struct Options {
     int log_level = KVF_LOG_DEFAULT;
     int go_max_procs = 0; // process-wide: see kvf_engine_options
     bool ignore_env = false;
+    // Since 0.5: bind vs advertise, and authentication (off unless a
+    // secret key file with an allowlist, or a cluster secret, is given).
+    std::string advertise_host;      // "" : host (wildcard host: the machine's name or first address)
+    std::string secret_key_file;     // our CURVE secret key (kvferry keygen), mode 0600
+    std::string allowlist_file;      // peers' public keys; reread by Engine::reload_allowlist
+    std::string cluster_secret_file; // instead of the two above: a secret the cluster shares
 
     // The C struct; its strings point into this object.
     kvf_engine_options c() const {
@@ -96,6 +102,10 @@ struct Options {
         o.heartbeat_misses = heartbeat_misses;
         o.log_level = log_level;
         o.go_max_procs = go_max_procs;
+        o.advertise_host = advertise_host.empty() ? nullptr : advertise_host.c_str();
+        o.secret_key_file = secret_key_file.empty() ? nullptr : secret_key_file.c_str();
+        o.allowlist_file = allowlist_file.empty() ? nullptr : allowlist_file.c_str();
+        o.cluster_secret_file = cluster_secret_file.empty() ? nullptr : cluster_secret_file.c_str();
         return o;
     }
 };
@@ -406,6 +416,13 @@ public:
     kvf_engine handle() const noexcept { return h_; }
     // The segment name peers open, "host:port".
     std::string name() const { return detail::name_of(h_, kvf_engine_name); }
+    // This engine's public key (Z85), what peers list in their allowlists;
+    // throws Error (KVF_ERR_UNSUPPORTED) when authentication is off.
+    std::string public_key() const { return detail::name_of(h_, kvf_engine_public_key); }
+    // Rereads the allowlist file and cuts the peers it no longer lists.
+    void reload_allowlist(int timeout_ms = KVF_TIMEOUT_DEFAULT) {
+        detail::check(kvf_engine_reload_allowlist(h_, timeout_ms));
+    }
 
     void register_memory(void *addr, size_t len, const char *location = nullptr) {
         detail::check(kvf_register_memory(h_, addr, len, location));

@@ -1,4 +1,6 @@
-// Command kvferry is kvferry's admin tool. `kvferry topo` prints the GPUs,
+// Command kvferry is kvferry's admin tool. `kvferry keygen` makes an
+// engine's CURVE key pair and `kvferry pubkey` prints a secret key's public
+// key (see the README's Authentication section). `kvferry topo` prints the GPUs,
 // the RDMA NICs and the NIC preference matrix this machine would publish:
 // for each memory location (cpu:N per NUMA node, cuda:N per GPU), the NICs
 // in the order slices use them.
@@ -27,11 +29,26 @@ import (
 
 func main() {
 	flag.Usage = func() {
-		fmt.Fprintf(os.Stderr, "usage: kvferry topo [--sys DIR]\n\n"+
+		fmt.Fprintf(os.Stderr, "usage: kvferry keygen --secret FILE [--public FILE]\n"+
+			"       kvferry pubkey --secret FILE\n"+
+			"       kvferry topo [--sys DIR]\n\n"+
+			"keygen writes a new CURVE key pair (the secret key with mode 0600); pubkey\n"+
+			"prints a secret key's public key, the line peers add to their allowlists.\n"+
 			"Prints GPUs, RDMA NICs and the NIC preference matrix. Environment:\n"+
 			"  KVFERRY_IBVERBS_LIBRARY  libibverbs to load (libibverbs.so.1)\n"+
 			"  KVFERRY_RDMA_DEVICES     device filter (as NCCL_IB_HCA)\n"+
 			"  KVFERRY_CUDA_LIBRARY     libcuda to load (libcuda.so.1) when NVML is absent\n")
+	}
+	if len(os.Args) >= 2 && (os.Args[1] == "keygen" || os.Args[1] == "pubkey") {
+		run := runKeygen
+		if os.Args[1] == "pubkey" {
+			run = runPubkey
+		}
+		if err := run(os.Stdout, os.Args[2:]); err != nil {
+			fmt.Fprintln(os.Stderr, "kvferry:", err)
+			os.Exit(1)
+		}
+		return
 	}
 	if len(os.Args) < 2 || os.Args[1] != "topo" {
 		flag.Usage()

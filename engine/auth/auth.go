@@ -166,21 +166,33 @@ func New(c Config) (*Authority, error) {
 	case c.AllowlistFile == "":
 		return nil, fmt.Errorf("%w: a secret key needs an allowlist file (or use a cluster secret)", ErrConfig)
 	}
-	text, err := readPrivateFile(c.SecretKeyFile, "secret key")
-	if err != nil {
+	var err error
+	if a.self, err = ReadSecretKeyFile(c.SecretKeyFile); err != nil {
 		return nil, err
-	}
-	secret, err := parseSecretKeyText(text)
-	if err != nil {
-		return nil, fmt.Errorf("secret key file %q: %w", c.SecretKeyFile, err)
-	}
-	if a.self, err = IdentityFromSecret(secret); err != nil {
-		return nil, fmt.Errorf("secret key file %q: %w", c.SecretKeyFile, err)
 	}
 	if _, err := a.Reload(); err != nil {
 		return nil, err
 	}
 	return a, nil
+}
+
+// ReadSecretKeyFile reads a secret key file (Z85, or a czmq certificate)
+// and completes its key pair. The file must not be readable by group or
+// others.
+func ReadSecretKeyFile(path string) (Identity, error) {
+	text, err := readPrivateFile(path, "secret key")
+	if err != nil {
+		return Identity{}, err
+	}
+	secret, err := parseSecretKeyText(text)
+	if err != nil {
+		return Identity{}, fmt.Errorf("secret key file %q: %w", path, err)
+	}
+	id, err := IdentityFromSecret(secret)
+	if err != nil {
+		return Identity{}, fmt.Errorf("secret key file %q: %w", path, err)
+	}
+	return id, nil
 }
 
 // Public is this engine's public key.

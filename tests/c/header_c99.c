@@ -26,5 +26,5 @@ int kvf_header_c99_check(void) {
     (void)r, (void)ts, (void)mr, (void)gr;
     return (int)o.struct_size + (int)st.struct_size + (int)ar.struct_size + (int)fr.struct_size + (int)ev.type +
            (kvf_status_str(KVF_ERR_INTERNAL) != NULL) + (KVF_TIMEOUT_DEFAULT < 0) + KVF_LOG_OFF +
-           (KVF_ERR_FENCED == KVF_STATUS_MAX) + (KVF_FENCE_RANGES_MAX > 0);
+           (KVF_ERR_UNAUTHENTICATED == KVF_STATUS_MAX) + (KVF_FENCE_RANGES_MAX > 0);
 }

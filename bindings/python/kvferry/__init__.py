@@ -53,6 +53,7 @@ from .engine import (
     TimedOutError,
     TransferFailedError,
     TruncatedError,
+    UnauthenticatedError,
     UnknownStatusError,
     UnreachableError,
     UnsupportedError,
@@ -60,7 +61,7 @@ from .engine import (
     library_version,
 )
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 # The public names: engine's, and the three defined elsewhere in the package.
 __all__ = ["LibraryNotFound", "__version__", "address_of"]

@@ -65,6 +65,7 @@ ERR_PROTOCOL = 20
 ERR_TRUNCATED = 21
 ERR_IN_USE = 22
 ERR_FENCED = 23
+ERR_UNAUTHENTICATED = 24
 
 FENCE_RANGES_MAX = 524288
 
@@ -90,6 +91,10 @@ class EngineOptions(Structure):
         ("log_level", c_int32),
         ("go_max_procs", c_int32),
         ("reserved", c_int32),
+        ("advertise_host", c_char_p),
+        ("secret_key_file", c_char_p),
+        ("allowlist_file", c_char_p),
+        ("cluster_secret_file", c_char_p),
     ]
 
 
@@ -142,6 +147,7 @@ class Stats(Structure):
         ("fence_acks", c_uint64),
         ("fence_acks_unmatched", c_uint64),
         ("fences_received", c_uint64),
+        ("auth_refused", c_uint64),
     ]
 
 
@@ -277,6 +283,8 @@ def _declare(l: ctypes.CDLL) -> None:
         "kvf_engine_create": (st, [POINTER(EngineOptions), POINTER(vp)]),
         "kvf_engine_destroy": (st, [vp]),
         "kvf_engine_name": (st, [vp, c_char_p, sz, szp]),
+        "kvf_engine_public_key": (st, [vp, c_char_p, sz, szp]),
+        "kvf_engine_reload_allowlist": (st, [vp, c_int]),
         "kvf_engine_stats": (st, [vp, POINTER(Stats)]),
         "kvf_register_memory": (st, [vp, vp, sz, c_char_p]),
         "kvf_unregister_memory": (st, [vp, vp]),

@@ -49,7 +49,7 @@ __all__ = [
     "InternalError", "InvalidArgumentError", "KvferryError", "NoMemoryError", "NotRegisteredError", "Op",
     "OverlapError", "ProtocolError", "RefusedError", "RemoteRangeError", "Request", "Segment", "StaleKeyError",
     "Stats", "TaskState", "TaskStatus", "TimedOutError", "TransferFailedError", "TruncatedError", "MemoryInUseError",
-    "UnreachableError", "UnsupportedError", "UnknownStatusError", "error_for", "library_version",
+    "UnauthenticatedError", "UnreachableError", "UnsupportedError", "UnknownStatusError", "error_for", "library_version",
 ]
 
 _MAX_U64 = (1 << 64) - 1
@@ -216,6 +216,12 @@ class FencedError(RefusedError):
     :class:`RefusedError` too."""
 
 
+class UnauthenticatedError(_Picklable, KvferryError):
+    """KVF_ERR_UNAUTHENTICATED: with authentication on, the peer did not
+    prove a key our allowlist holds, or refused ours; nothing was sent to
+    it."""
+
+
 class MemoryInUseError(_Picklable, KvferryError):
     """KVF_ERR_IN_USE: the engine could not confirm in time that it stopped
     touching a transfer's memory (a NIC neither completed nor flushed its
@@ -253,6 +259,7 @@ _ERRORS = {
     _lib.ERR_TRUNCATED: TruncatedError,
     _lib.ERR_IN_USE: MemoryInUseError,
     _lib.ERR_FENCED: FencedError,
+    _lib.ERR_UNAUTHENTICATED: UnauthenticatedError,
 }
 
 
@@ -522,6 +529,7 @@ class Stats:
     fence_acks: int            #: fence notices acknowledged by the peers told
     fence_acks_unmatched: int  #: acknowledgements dropped: late, duplicate, unknown
     fences_received: int       #: fence notices received from owners we transfer with
+    auth_refused: int = 0      #: peers refused for authentication, or cut when their key left the allowlist
 
 
 _STATS_FIELDS = tuple(Stats.__dataclass_fields__)
@@ -717,7 +725,16 @@ class Engine:
     KVF_LOG_* or "debug"/"info"/"warn"/"error"/"off"; default
     ``KVFERRY_LOG_LEVEL``, else warn), ``go_max_procs``
     (GOMAXPROCS, 0 keeps it; process-wide, not per engine: one Go runtime
-    serves every engine, so the last engine created with a value sets it).
+    serves every engine, so the last engine created with a value sets it),
+    ``advertise_host`` (the host peers reach us at when it is not ``host``:
+    containers, NAT; for a wildcard host, the machine's name or first
+    address), and authentication, off unless set: ``secret_key_file`` with
+    ``allowlist_file`` (this engine's CURVE secret key, mode 0600, and the
+    peers' public keys it lets in, one per line), or ``cluster_secret_file``
+    (a secret of at least 16 bytes every engine of the cluster shares). With
+    it on, every peer must prove an allowed key on the control plane and on
+    tcp data connections, and the engine talks to no peer that does not
+    (:class:`UnauthenticatedError`).
 
     A context manager; :meth:`close` is idempotent, and an engine that is
     garbage collected unclosed is destroyed then. After close, every method
@@ -728,7 +745,9 @@ class Engine:
                  paths_per_peer: int = 0, slice_size: int = 0, max_retries: int = 0,
                  default_timeout_ms: int = 0, io_timeout_ms: int = 0, heartbeat_ms: int = 0,
                  heartbeat_misses: int = 0, log_level: Union[int, str] = 0, go_max_procs: int = 0,
-                 ignore_env: bool = False) -> None:
+                 ignore_env: bool = False, advertise_host: Optional[str] = None,
+                 secret_key_file: Optional[str] = None, allowlist_file: Optional[str] = None,
+                 cluster_secret_file: Optional[str] = None) -> None:
         self._h: Optional[int] = None
         lib = _L()
         o = _lib.EngineOptions()
@@ -738,6 +757,10 @@ class Engine:
         host_b = self._str_opt(host, "host")
         proto_b = self._str_opt(protocol, "protocol")
         o.host, o.protocol = host_b, proto_b
+        auth_b = [self._str_opt(v, f) for f, v in (
+            ("advertise_host", advertise_host), ("secret_key_file", secret_key_file),
+            ("allowlist_file", allowlist_file), ("cluster_secret_file", cluster_secret_file))]
+        o.advertise_host, o.secret_key_file, o.allowlist_file, o.cluster_secret_file = auth_b
         port = _as_int(port, "port")
         if not 0 <= port <= 65535:
             raise ValueError(f"port {port}: must be in [0, 65535]")
@@ -853,6 +876,27 @@ class Engine:
     def port(self) -> int:
         """The control port the engine listens on."""
         return int(self._name.rsplit(":", 1)[1])
+
+    @property
+    def public_key(self) -> Optional[str]:
+        """This engine's public key, 40 Z85 characters (what peers list in
+        their allowlist files); None when authentication is off."""
+        lib = _L()
+        try:
+            return _read_string(lib, lib.kvf_engine_public_key, self._handle())
+        except UnsupportedError:
+            return None
+
+    def reload_allowlist(self, timeout: Optional[float] = None) -> None:
+        """Reads the allowlist file again; peers whose keys it no longer
+        lists are cut before it returns (control and data connections
+        closed, rdma QPs destroyed), so nothing of theirs lands afterwards.
+        :class:`InvalidArgumentError` without an allowlist file or with an
+        unusable one (the allowlist in force stays); :class:`TimedOutError`
+        when cutting did not finish in time."""
+        ms = _timeout_ms(timeout, allow_zero=False)
+        lib = _L()
+        _check(lib, lib.kvf_engine_reload_allowlist(self._handle(), ms))
 
     def stats(self) -> Stats:
         """A snapshot of the engine's counters."""

@@ -71,3 +71,12 @@ func (t *Transport) Initiators() []string {
 // FenceEnabled reports whether Fence works (the engine takes the transport
 // for a Fencer only then).
 func (t *Transport) FenceEnabled() bool { return t.opts.Fence }
+
+// CutPeer moves every responder QP of initiator to the error state and
+// destroys them, whether or not the owner-side fence is on: the engine
+// calls it for a peer whose key was taken off the allowlist, which must
+// not touch our memory again. The peer can connect again only through the
+// control plane, which refuses it.
+func (t *Transport) CutPeer(ctx context.Context, initiator string) error {
+	return t.cut(ctx, initiator)
+}
