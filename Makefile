@@ -6,6 +6,8 @@ BIN     := bin
 # coordinator can fail at the deadline with "context deadline exceeded" and
 # no crasher (golang/go#75804, fixed in Go 1.27).
 FUZZTIME ?= 100000x
+# Fuzzers that open a TCP connection per input run fewer inputs in the same time.
+FUZZTIME_NET ?= 20000x
 export CGO_ENABLED := 1
 # go-nvml's cgo prologue calls functions NVML 13 marks deprecated; its
 # warnings are not ours to fix and would bury ours.
@@ -76,6 +78,8 @@ fuzz-short:
 	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzCurveClientHandshake$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/control -run='^$$' -fuzz='^FuzzCurveMessages$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/transport/tcp -run='^$$' -fuzz='^FuzzHeaderDecode$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/transport/tcp -run='^$$' -fuzz='^FuzzHandshakeOwner$$' -fuzztime=$(FUZZTIME_NET) -fuzzminimizetime=1s
+	$(GO) test ./engine/transport/tcp -run='^$$' -fuzz='^FuzzHandshakeInitiator$$' -fuzztime=$(FUZZTIME_NET) -fuzzminimizetime=1s
 	$(GO) test ./engine/transport/rdma -run='^$$' -fuzz='^FuzzDecode$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./verbs/topo -run='^$$' -fuzz='^FuzzParseFilter$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 

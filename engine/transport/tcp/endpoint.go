@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvferry/kvferry/engine/auth"
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/transport"
 )
@@ -25,10 +26,13 @@ type endpoint struct {
 	queue   []*transport.Slice
 	closed  bool // no more posts; set once the goroutines ended
 	wake    chan struct{}
-	pending sync.Map           // seq -> *transport.Slice; ends in order, but a map keeps lookups honest
-	seq     uint64             // sender only
-	reads   atomic.Int32       // READ slices sent and not yet READ_DONE
-	guard   [1]transport.Guard // the sender's guard list: one region per gathered write
+	pending sync.Map     // seq -> *transport.Slice; ends in order, but a map keeps lookups honest
+	seq     uint64       // sender only
+	reads   atomic.Int32 // READ slices sent and not yet READ_DONE
+	// ownerKey is the key the owner proved in the handshake (with
+	// Options.Auth).
+	ownerKey auth.Key
+	guard    [1]transport.Guard // the sender's guard list: one region per gathered write
 
 	// The receiver's buffer of answer headers.
 	inBuf          [4096]byte
@@ -53,12 +57,18 @@ func newEndpoint(t *Transport, conn *net.TCPConn, self string, deadline time.Tim
 		t: t, conn: conn, out: newRawConn(rc), in: newRawConn(rc),
 		wake: make(chan struct{}, 1), finished: make(chan struct{}),
 	}
-	hello := header{typ: frameHello, length: uint32(len(self)), done: helloGoAway}
 	var hb [HeaderSize]byte
-	hello.encode(hb[:])
 	_ = conn.SetDeadline(deadline)
-	if _, _, err := ep.out.writeGuarded(hb[:], []byte(self), nil); err != nil {
-		return nil, err
+	if t.opts.Auth != nil {
+		if ep.ownerKey, err = ep.initiatorAuth(self); err != nil {
+			return nil, err
+		}
+	} else {
+		hello := header{typ: frameHello, length: uint32(len(self)), done: helloGoAway}
+		hello.encode(hb[:])
+		if _, _, err := ep.out.writeGuarded(hb[:], []byte(self), nil); err != nil {
+			return nil, err
+		}
 	}
 	if err := ep.in.readFull(hb[:]); err != nil {
 		return nil, err
@@ -66,6 +76,9 @@ func newEndpoint(t *Transport, conn *net.TCPConn, self string, deadline time.Tim
 	var h header
 	if err := h.decode(hb[:]); err != nil {
 		return nil, err
+	}
+	if h.typ == frameHelloAck && h.status == statusUnauthenticated {
+		return nil, fmt.Errorf("%w: the owner refused our key", ErrUnauthenticated)
 	}
 	if h.typ != frameHelloAck || h.status != statusOK {
 		return nil, fmt.Errorf("%w: HELLO answered with type %d status %d", errBadFrame, h.typ, h.status)

@@ -142,13 +142,23 @@ func (t *Transport) serve(conn *net.TCPConn, peer netip.Addr) {
 		t.protoErr(c, "handshake", fmt.Errorf("%w: want HELLO, got type %d (%v)", errBadFrame, h.typ, err))
 		return
 	}
-	name := make([]byte, h.length)
-	if err := c.raw.readFull(name); err != nil {
-		t.handshakeErr(c, err)
-		return
+	var initiator string
+	if t.opts.Auth != nil {
+		name, ac, err := t.ownerAuth(c, &h)
+		if err != nil {
+			return
+		}
+		defer t.releaseAuthed(ac)
+		initiator = name
+	} else {
+		name := make([]byte, h.length)
+		if err := c.raw.readFull(name); err != nil {
+			t.handshakeErr(c, err)
+			return
+		}
+		initiator = string(name)
 	}
 	_ = conn.SetReadDeadline(time.Time{})
-	initiator := string(name)
 	c.goAwayOK = h.done&helloGoAway != 0
 	c.answer(&header{typ: frameHelloAck, seq: h.seq}, 0)
 	if err := c.flush(); err != nil {

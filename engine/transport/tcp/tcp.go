@@ -22,6 +22,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvferry/kvferry/engine/auth"
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/internal/defaults"
 	"github.com/kvferry/kvferry/internal/ratelog"
@@ -81,6 +82,13 @@ type Options struct {
 	// admitting each WRITE and before applying its bytes, so that a test
 	// can abort while frames are certainly in flight.
 	ApplyDelay time.Duration
+	// Auth, when set, authenticates every data connection both ways
+	// before a byte of memory moves (see auth.go): an initiator whose key
+	// it does not allow is refused (Stats.AuthRefused), and Dial fails
+	// with ErrUnauthenticated against an owner that does not prove an
+	// allowed key or does not authenticate at all. Nil: no
+	// authentication, the wire of earlier versions.
+	Auth *auth.Authority
 }
 
 // Defaults of Options.
@@ -123,11 +131,12 @@ type Stats struct {
 	IdleClosed      uint64 // accepted connections closed after IdleTimeout without a request
 	FrameTimeouts   uint64 // accepted connections closed because a frame (HELLO included) came too slowly
 	GoAways         uint64 // our paths an owner closed as idle; their slices it had not read were handed back
+	AuthRefused     uint64 // connections refused for authentication, or cut when their key left the allowlist
 }
 
 type counters struct {
-	bytesIn, bytesOut, refused, refusedInFlight, protocolErrors, acceptErrors atomic.Uint64
-	refusedPerPeer, refusedTotal, idleClosed, frameTimeouts, goAways          atomic.Uint64
+	bytesIn, bytesOut, refused, refusedInFlight, protocolErrors, acceptErrors     atomic.Uint64
+	refusedPerPeer, refusedTotal, idleClosed, frameTimeouts, goAways, authRefused atomic.Uint64
 }
 
 // Transport is the TCP transport. It is safe for concurrent use.
@@ -145,6 +154,11 @@ type Transport struct {
 
 	epMu      sync.Mutex
 	endpoints map[*endpoint]struct{}
+
+	// With Options.Auth: accepted connections that authenticated, so
+	// CutUnallowed finds those whose key left the allowlist.
+	authMu sync.Mutex
+	authed map[*authedConn]struct{}
 }
 
 // New returns a TCP transport.
@@ -152,6 +166,7 @@ func New(opts Options) *Transport {
 	opts.fill()
 	return &Transport{
 		opts: opts, conns: connSet{conns: map[net.Conn]struct{}{}}, endpoints: map[*endpoint]struct{}{}, closed: make(chan struct{}),
+		authed: map[*authedConn]struct{}{},
 		limits: connLimits{perPeer: map[netip.Addr]int{}}, warn: ratelog.New(opts.Logger),
 	}
 }
@@ -325,8 +340,12 @@ func (t *Transport) Dial(ctx context.Context, addr, self string) (transport.Endp
 	if t.closing.Load() {
 		return nil, transport.ErrClosed
 	}
-	if len(self) == 0 || len(self) > maxHelloName {
-		return nil, fmt.Errorf("tcp: dial %s: our name %q must be 1 to %d bytes", addr, self, maxHelloName)
+	maxName := maxHelloName
+	if t.opts.Auth != nil {
+		maxName -= helloAuthPrefix
+	}
+	if len(self) == 0 || len(self) > maxName {
+		return nil, fmt.Errorf("tcp: dial %s: our name %q must be 1 to %d bytes", addr, self, maxName)
 	}
 	// The whole dial, HELLO included, ends by ctx's deadline or
 	// HandshakeTimeout, whichever is sooner: a stopped peer's kernel still
@@ -367,6 +386,13 @@ func (t *Transport) Dial(ctx context.Context, addr, self string) (transport.Endp
 		t.epMu.Unlock()
 		ep.Abort(transport.ErrClosed)
 		return nil, fmt.Errorf("tcp: dial %s: %w: path died at once", addr, transport.ErrConnection)
+	}
+	if t.opts.Auth != nil && !t.opts.Auth.Allowed(ep.ownerKey) {
+		// The allowlist was reloaded during the handshake; CutUnallowed
+		// scans endpoints under epMu, so checking here leaves no gap.
+		t.epMu.Unlock()
+		ep.Abort(ErrUnauthenticated)
+		return nil, fmt.Errorf("tcp: dial %s: %w: the owner's key left the allowlist", addr, ErrUnauthenticated)
 	}
 	t.endpoints[ep] = struct{}{}
 	t.epMu.Unlock()
@@ -418,5 +444,6 @@ func (t *Transport) Stats() Stats {
 		ProtocolErrors: t.stats.protocolErrors.Load(), AcceptErrors: t.stats.acceptErrors.Load(),
 		Conns: int64(t.limits.open()), RefusedPerPeer: t.stats.refusedPerPeer.Load(), RefusedTotal: t.stats.refusedTotal.Load(),
 		IdleClosed: t.stats.idleClosed.Load(), FrameTimeouts: t.stats.frameTimeouts.Load(), GoAways: t.stats.goAways.Load(),
+		AuthRefused: t.stats.authRefused.Load(),
 	}
 }

@@ -24,7 +24,7 @@ import (
 //	40 u64 address    owner address
 //	48 u64 grant id
 //	56 u64 done       bytes applied (WRITE_ACK) or valid (READ_DONE); in
-//	                  HELLO, the initiator's feature bits (helloGoAway); in
+//	                  HELLO, the initiator's feature bits (helloGoAway, helloAuth); in
 //	                  WRITE and READ, the owner's fence epoch the slice was
 //	                  planned under (0 from initiators that know none)
 const (
@@ -50,6 +50,11 @@ const (
 	// nothing after, so the initiator may post the others again
 	// elsewhere. Sent only to initiators whose HELLO set helloGoAway.
 	frameGoAway = 8
+	// frameChallenge (owner -> initiator, payload Po | No | MACo) and
+	// frameAuth (initiator -> owner, payload MACi) authenticate a
+	// connection between HELLO and HELLO_ACK (see auth.go).
+	frameChallenge = 9
+	frameAuth      = 10
 )
 
 // helloGoAway, in HELLO's done field, says the initiator understands
@@ -57,6 +62,11 @@ const (
 // initiator leaves it 0, so either side may be older: its idle connections
 // are then simply closed.
 const helloGoAway = 1
+
+// helloAuth, in HELLO's done field, says the initiator authenticates: its
+// payload is its public key and a nonce before its name, and it expects a
+// CHALLENGE (see auth.go).
+const helloAuth = 2
 
 // Statuses in answers. Every non-zero status is a refusal, final for its
 // request.
@@ -69,7 +79,10 @@ const (
 	statusBadRequest   = 5
 	statusAborted      = 6 // the request id (at this generation) was aborted
 	statusFenced       = 7 // a range the slice touches was fenced after it was planned
-	maxKnownStatus     = statusFenced
+	// statusUnauthenticated, in HELLO_ACK: the owner refuses the
+	// connection for authentication, and closes it.
+	statusUnauthenticated = 8
+	maxKnownStatus        = statusUnauthenticated
 )
 
 // header is a decoded frame header.
@@ -135,6 +148,14 @@ func (h *header) decode(b []byte) error {
 	case frameWrite, frameRead, frameReadData:
 		if h.length == 0 || h.length > MaxSliceLength {
 			return fmt.Errorf("%w: length %d", errBadFrame, h.length)
+		}
+	case frameChallenge:
+		if h.length != challengeSize {
+			return fmt.Errorf("%w: CHALLENGE of %d bytes", errBadFrame, h.length)
+		}
+	case frameAuth:
+		if h.length != authMACSize {
+			return fmt.Errorf("%w: AUTH of %d bytes", errBadFrame, h.length)
 		}
 	case frameHelloAck, frameWriteAck, frameReadDone, frameGoAway:
 		if h.length != 0 {
