@@ -54,17 +54,17 @@ type BufferKey = memory.Key
 
 // Engine is one transfer engine. All methods are safe for concurrent use.
 type Engine struct {
-	opts  Options
+	opts Options
 	// auth is the engine's identity and allowlist; nil with
 	// authentication off. authMu serialises allowlist reloads.
 	auth   *auth.Authority
 	authMu sync.Mutex
-	log   *slog.Logger
-	reg   *memory.Registry
-	plane *control.Plane
-	tcp   *tcp.Transport
-	local *local.Transport
-	rdma  *rdma.Transport // nil without RDMA devices or with Protocol "tcp"
+	log    *slog.Logger
+	reg    *memory.Registry
+	plane  *control.Plane
+	tcp    *tcp.Transport
+	local  *local.Transport
+	rdma   *rdma.Transport // nil without RDMA devices or with Protocol "tcp"
 	// transports are the abilities of tcp, local and rdma (when up), found
 	// once by abilitiesOf: every behaviour check goes through them, the
 	// concrete fields above only set the transports up, dial and count.
