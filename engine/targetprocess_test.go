@@ -56,6 +56,12 @@ func runHelper(mode string) int {
 		}
 		return 0
 	}
+	if mode == "auth-attacker" {
+		if err := runAttacker(); err != nil {
+			return fail("attacker: %v", err)
+		}
+		return 0
+	}
 	if mode == "spoof-aborts" {
 		if err := spoofAborts(os.Getenv(spoofTargetEnv), os.Getenv(spoofCountEnv)); err != nil {
 			return fail("spoof aborts: %v", err)

@@ -110,7 +110,9 @@ type curveSession struct {
 }
 
 // curveRefusal is a handshake that failed: the peer is not let in (server)
-// or not trusted (client). reason is safe to send in ERROR.
+// or not trusted (client). reason, when set, goes to the peer in ERROR: only
+// for a peer that proved its key and is not allowed, a misconfiguration its
+// operator wants to see; anything else is closed without a word.
 type curveRefusal struct {
 	reason string
 	err    error
@@ -160,7 +162,7 @@ func (s *curveSession) takeGreeting(g []byte, send func([]byte)) error {
 	}
 	mech := trimZero(g[12:32])
 	if mech != "CURVE" {
-		return refuse("CURVE required", "peer speaks %q, not CURVE", mech)
+		return refuse("", "peer speaks %q, not CURVE", mech)
 	}
 	asServer := g[32] == 1
 	if asServer == s.server {
@@ -172,7 +174,7 @@ func (s *curveSession) takeGreeting(g []byte, send func([]byte)) error {
 	}
 	k, ok := s.a.FindByPrefix(g[33:64])
 	if !ok {
-		return refuse("unknown server", "the server's key is not on our allowlist")
+		return refuse("", "the server's key is not on our allowlist")
 	}
 	s.peerKey = k
 	s.stage = curveWelcome
@@ -235,19 +237,19 @@ func (s *curveSession) takeCommand(cmd []byte, send func([]byte)) error {
 	case !s.server && s.stage == curveReady && name == "READY":
 		return s.takeReady(cmd)
 	}
-	return refuse("unexpected command", "CURVE command %q out of order", name)
+	return refuse("", "CURVE command %q out of order", name)
 }
 
 func (s *curveSession) takeHello(cmd []byte, send func([]byte)) error {
 	if len(cmd) != curveHelloSize || cmd[6] != 1 {
-		return refuse("bad HELLO", "HELLO of %d bytes or version %d", len(cmd), cmd[min(6, len(cmd)-1)])
+		return refuse("", "HELLO of %d bytes or version %d", len(cmd), cmd[min(6, len(cmd)-1)])
 	}
 	copy(s.peerT[:], cmd[80:112])
 	short := cmd[112:120]
 	self := s.a.Identity()
 	sig, ok := box.Open(nil, cmd[120:200], nonce("CurveZMQHELLO---", short), &s.peerT, (*[32]byte)(&self.Secret))
 	if !ok || !allZero(sig) {
-		return refuse("bad HELLO", "HELLO's signature box does not open with our key")
+		return refuse("", "HELLO's signature box does not open with our key")
 	}
 	s.recvN = binary.BigEndian.Uint64(short)
 	if _, err := rand.Read(s.cookieKey[:]); err != nil {
@@ -290,34 +292,34 @@ func (s *curveSession) takeWelcome(cmd []byte, send func([]byte)) error {
 
 func (s *curveSession) takeInitiate(cmd []byte, send func([]byte)) error {
 	if len(cmd) < curveInitiateMin {
-		return refuse("bad INITIATE", "INITIATE of %d bytes", len(cmd))
+		return refuse("", "INITIATE of %d bytes", len(cmd))
 	}
 	if subtle.ConstantTimeCompare(cmd[9:9+curveCookieSize], s.cookie[:]) != 1 {
-		return refuse("bad INITIATE", "INITIATE carries a cookie this connection did not issue")
+		return refuse("", "INITIATE carries a cookie this connection did not issue")
 	}
 	short := cmd[9+curveCookieSize : 17+curveCookieSize]
 	if n := binary.BigEndian.Uint64(short); n <= s.recvN {
-		return refuse("bad INITIATE", "INITIATE nonce replayed")
+		return refuse("", "INITIATE nonce replayed")
 	} else {
 		s.recvN = n
 	}
 	plain, ok := box.OpenAfterPrecomputation(nil, cmd[17+curveCookieSize:], nonce("CurveZMQINITIATE", short), &s.shared)
 	if !ok || len(plain) < 32+96 {
-		return refuse("bad INITIATE", "INITIATE does not open with the connection's keys")
+		return refuse("", "INITIATE does not open with the connection's keys")
 	}
 	var client auth.Key
 	copy(client[:], plain[:32])
 	v, ok := box.Open(nil, plain[48:128], nonce("VOUCH---", plain[32:48]), (*[32]byte)(&client), &s.tsec)
 	self := s.a.Public()
 	if !ok || !bytes.Equal(v[:32], s.peerT[:]) || !bytes.Equal(v[32:], self[:]) {
-		return refuse("bad INITIATE", "the vouch does not prove the client's key")
+		return refuse("", "the vouch does not prove the client's key")
 	}
 	if !s.a.Allowed(client) {
 		return refuse("key not allowed", "client key %s is not on the allowlist", client)
 	}
 	st, id, err := parseProps(plain[128:])
 	if err != nil {
-		return refuse("bad metadata", "INITIATE metadata: %v", err)
+		return refuse("", "INITIATE metadata: %v", err)
 	}
 	s.peerKey, s.socketType, s.identity = client, st, id
 	short = s.nextShort()

@@ -60,18 +60,21 @@ func (p *Plane) feedSecure(c *conn, data []byte, emit func([][]byte, error)) err
 	return err
 }
 
-// refuseAuth ends a connection whose peer failed authentication. A peer we
-// serve gets CURVE's ERROR and is closed at the next sweep, so the ERROR
-// has left before the close; it never reaches a handler. A peer we dialed is
+// refuseAuth ends a connection whose peer failed authentication; it never
+// reaches a handler. A peer we serve that proved a key we do not allow gets
+// CURVE's ERROR and is closed at the next sweep, so the ERROR has left
+// before the close; any other is closed at once. A peer we dialed is
 // not trusted: the requests waiting for it fail with ErrUnauthenticated and
 // what was queued for it is dropped, never sent.
 func (p *Plane) refuseAuth(c *conn, r *curveRefusal) {
 	p.stats.authRefused.Add(1)
 	if c.inbound {
 		p.warn.Warn("auth", "control: peer refused: not authenticated", "address", c.host, "err", r.err)
-		if r.reason != "" {
-			_ = p.sendRaw(c.id, errorCommand(r.reason))
+		if r.reason == "" {
+			p.closeInbound(c)
+			return
 		}
+		_ = p.sendRaw(c.id, errorCommand(r.reason))
 		p.dropBacklog(c)
 		p.resetReader(c)
 		p.unname(c)
