@@ -82,6 +82,19 @@ func TestPDStressProtected(t *testing.T) {
 	}
 }
 
+// TestPDStressProtectedWithAuthentication: the same protection holds with
+// both ends authenticating (CURVE on the control plane, authenticated data
+// connections), and authentication refuses none of the legitimate peers.
+func TestPDStressProtectedWithAuthentication(t *testing.T) {
+	cfg := baseStress()
+	cfg.auth = true
+	r := runWithFramesInFlight(t, cfg, requests(3000, 1000))
+	checkAbortsProtected(t, r)
+	if r.decode.AuthRefused != 0 {
+		t.Errorf("decode refused %d connections of its own prefill", r.decode.AuthRefused)
+	}
+}
+
 // TestPDStressUnprotectedFindsCorruption: the same run with the protection
 // off (no owner refusal, ABORT_ACK on "heard", as SGLang's abort works
 // today) finds an aborted request's pattern in slots decode had reused: the

@@ -25,16 +25,17 @@ import (
 // the other variables configure it (the library reads no variable for its
 // Testing switches, so the unsafe mode travels in one of ours).
 const (
-	roleEnv    = "KVFERRY_PD_ROLE"         // "prefill"
-	unsafeEnv  = "KVFERRY_PD_UNSAFE"       // "1": Options.Testing.UnsafeAbort
-	sliceEnv   = "KVFERRY_PD_SLICE"        // Options.SliceSize
-	pathsEnv   = "KVFERRY_PD_PATHS"        // Options.PathsPerPeer
-	workersEnv = "KVFERRY_PD_WORKERS"      // requests written at once
-	srcEnv     = "KVFERRY_PD_SRC"          // source bytes per worker (the largest request)
-	rdmaEnv    = "KVFERRY_PD_RDMA"         // the libibverbs to load: Options.Protocol "rdma" over it; unset: tcp
-	devicesEnv = "KVFERRY_PD_RDMA_DEVICES" // the prefill's Options.RDMADevices
-	noFenceEnv = "KVFERRY_PD_NOFENCE"      // "1": Options.RDMANoFence
-	noRIDEnv   = "KVFERRY_PD_NORID"        // "1": request id 0 on every transfer
+	roleEnv    = "KVFERRY_PD_ROLE"           // "prefill"
+	unsafeEnv  = "KVFERRY_PD_UNSAFE"         // "1": Options.Testing.UnsafeAbort
+	sliceEnv   = "KVFERRY_PD_SLICE"          // Options.SliceSize
+	pathsEnv   = "KVFERRY_PD_PATHS"          // Options.PathsPerPeer
+	workersEnv = "KVFERRY_PD_WORKERS"        // requests written at once
+	srcEnv     = "KVFERRY_PD_SRC"            // source bytes per worker (the largest request)
+	rdmaEnv    = "KVFERRY_PD_RDMA"           // the libibverbs to load: Options.Protocol "rdma" over it; unset: tcp
+	devicesEnv = "KVFERRY_PD_RDMA_DEVICES"   // the prefill's Options.RDMADevices
+	noFenceEnv = "KVFERRY_PD_NOFENCE"        // "1": Options.RDMANoFence
+	noRIDEnv   = "KVFERRY_PD_NORID"          // "1": request id 0 on every transfer
+	secretEnv  = "KVFERRY_PD_CLUSTER_SECRET" // Options.ClusterSecretFile: both ends authenticate
 )
 
 func TestMain(m *testing.M) {
@@ -62,6 +63,9 @@ type prefillConfig struct {
 	// of decode's pages stops its transfers. The request ids of the
 	// bootstrap lines still name the requests' patterns.
 	noRID bool
+	// clusterSecret: a cluster secret file both ends authenticate with
+	// (Options.ClusterSecretFile); "": no authentication.
+	clusterSecret string
 }
 
 func (c prefillConfig) env() []string {
@@ -79,13 +83,14 @@ func (c prefillConfig) env() []string {
 	}
 	return []string{roleEnv + "=prefill", unsafeEnv + "=" + u, sliceEnv + "=" + strconv.Itoa(c.slice),
 		pathsEnv + "=" + strconv.Itoa(c.paths), workersEnv + "=" + strconv.Itoa(c.workers), srcEnv + "=" + strconv.Itoa(c.srcSize),
-		rdmaEnv + "=" + c.rdma, noFenceEnv + "=" + nf, devicesEnv + "=" + c.devices, noRIDEnv + "=" + nr}
+		rdmaEnv + "=" + c.rdma, noFenceEnv + "=" + nf, devicesEnv + "=" + c.devices, noRIDEnv + "=" + nr,
+		secretEnv + "=" + c.clusterSecret}
 }
 
 // options are the prefill's engine options: c's transport, pinned (tcp
 // unless c says rdma, whatever devices the machine has).
 func (c prefillConfig) options() engine.Options {
-	o := engine.Options{IgnoreEnv: true, Protocol: "tcp"}
+	o := engine.Options{IgnoreEnv: true, Protocol: "tcp", ClusterSecretFile: c.clusterSecret}
 	if c.rdma != "" {
 		o.Protocol, o.RDMALibrary, o.RDMANoFence, o.RDMADevices = "rdma", c.rdma, c.noFence, c.devices
 	}
@@ -197,7 +202,7 @@ func runPrefill() int {
 	}
 	cfg := prefillConfig{unsafe: os.Getenv(unsafeEnv) == "1", slice: num(sliceEnv), paths: num(pathsEnv),
 		workers: num(workersEnv), srcSize: num(srcEnv), rdma: os.Getenv(rdmaEnv), noFence: os.Getenv(noFenceEnv) == "1",
-		devices: os.Getenv(devicesEnv), noRID: os.Getenv(noRIDEnv) == "1"}
+		devices: os.Getenv(devicesEnv), noRID: os.Getenv(noRIDEnv) == "1", clusterSecret: os.Getenv(secretEnv)}
 	if cfg.slice <= 0 || cfg.paths <= 0 || cfg.workers <= 0 || cfg.srcSize <= 0 {
 		return fail("bad configuration %+v", cfg)
 	}

@@ -2,6 +2,8 @@ package pd
 
 import (
 	"fmt"
+	"os"
+	"path/filepath"
 	"runtime"
 	"slices"
 	"strings"
@@ -77,6 +79,9 @@ type stressConfig struct {
 	// fenceGrace is decode's RDMAFenceGrace (0: the default; negative:
 	// fence at once, without waiting for a drained ACK).
 	fenceGrace time.Duration
+	// auth: both ends authenticate with a cluster secret (control plane
+	// over CURVE, data connections with their handshake).
+	auth bool
 	// budget, when set, stops the run from starting requests after this
 	// long, which fails the test: a run that slows down by orders of
 	// magnitude is found out without timing out.
@@ -165,6 +170,12 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 	}
 	pcfg := prefillConfig{unsafe: cfg.unsafe && !cfg.fence, slice: cfg.slice, paths: cfg.paths,
 		workers: 2 * cfg.lanes, srcSize: cfg.layers * cfg.pages * cfg.pageSize, noFence: cfg.noFence, noRID: cfg.fence}
+	if cfg.auth {
+		pcfg.clusterSecret = filepath.Join(t.TempDir(), "cluster.secret")
+		if err := os.WriteFile(pcfg.clusterSecret, []byte("pd stress cluster secret, 32 bytes\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if cfg.rdma {
 		pcfg = rdmaPrefill(t, pcfg)
 		if fakeverbs.Real() {
