@@ -70,6 +70,19 @@ int main() {
             EXPECT(e.code() == KVF_ERR_INVALID);
             EXPECT(std::string(e.code_str()) == "invalid argument");
         }
+        // Authentication is off: no public key, no allowlist to reload.
+        try {
+            (void)a.public_key();
+            EXPECT(false);
+        } catch (const kvferry::Error &e) {
+            EXPECT(e.code() == KVF_ERR_UNSUPPORTED);
+        }
+        try {
+            a.reload_allowlist(1000);
+            EXPECT(false);
+        } catch (const kvferry::Error &e) {
+            EXPECT(e.code() == KVF_ERR_INVALID);
+        }
         // A scoped registration: registered while it lives, unregistered
         // (and registrable again) once it is gone; moving it moves the duty.
         {

@@ -1009,7 +1009,8 @@ def test_errors_are_typed_and_picklable() -> None:
     assert type(kvferry.error_for(999, "m")) is kvferry.UnknownStatusError
     fenced = kvferry.error_for(_lib.ERR_FENCED, "m")
     assert type(fenced) is kvferry.FencedError and isinstance(fenced, kvferry.RefusedError)
-    for code in range(1, _lib.ERR_FENCED + 1):
+    assert type(kvferry.error_for(_lib.ERR_UNAUTHENTICATED, "m")) is kvferry.UnauthenticatedError
+    for code in range(1, _lib.ERR_UNAUTHENTICATED + 1):
         e = kvferry.error_for(code, "msg")
         assert e.code == code and type(e) is not kvferry.UnknownStatusError
         assert pickle.loads(pickle.dumps(e)).code == code

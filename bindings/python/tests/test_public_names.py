@@ -15,7 +15,7 @@ PUBLIC = {
     "ForkError", "HandleError", "InternalError", "InvalidArgumentError", "KvferryError", "LibraryNotFound",
     "MemoryInUseError", "NoMemoryError", "NotRegisteredError", "Op", "OverlapError", "ProtocolError",
     "RefusedError", "RemoteRangeError", "Request", "Segment", "StaleKeyError", "Stats", "TaskState",
-    "TaskStatus", "TimedOutError", "TransferFailedError", "TruncatedError", "UnknownStatusError",
+    "TaskStatus", "TimedOutError", "TransferFailedError", "TruncatedError", "UnauthenticatedError", "UnknownStatusError",
     "UnreachableError", "UnsupportedError", "__version__", "address_of", "error_for", "library_version",
 }
 
