@@ -4,6 +4,7 @@
 //	kvferry-bench --mode loopback --op write --block-size 65536 --threads 4 --duration 10
 //	kvferry-bench --mode abort --rate 1000 --duration 10
 //	kvferry-bench --mode fence --rate 1000 --duration 10
+//	kvferry-bench --mode auth --duration 2
 //
 // Modes: target (serve a buffer and wait), initiator (move data to or from a
 // target named by --segment), loopback (both in one process, TCP on
@@ -43,11 +44,12 @@ type config struct {
 	rate                             float64       // abort mode: MB/s of background WRITEs
 	abortEvery                       time.Duration // abort mode: mean time between aborts
 	twoProcess                       bool          // abort mode: the initiator in a child process
+	clusterSecret                    string        // engines authenticate with this cluster secret file
 }
 
 func main() {
 	var c config
-	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp | abort | fence")
+	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp | abort | fence | auth")
 	flag.StringVar(&c.op, "op", "write", "write | read")
 	flag.StringVar(&c.segment, "segment", "", "the target's segment name host:port (initiator mode; abort mode: be the child of --two-process)")
 	flag.StringVar(&c.host, "host", "127.0.0.1", "address to listen on")
@@ -62,6 +64,7 @@ func main() {
 	flag.Float64Var(&c.rate, "rate", 1000, "abort mode: background WRITE rate to aim at, MB/s (1e6 bytes)")
 	flag.DurationVar(&c.abortEvery, "abort-interval", 10*time.Millisecond, "abort mode: mean time between aborts (uniform in [x/2, 3x/2])")
 	flag.BoolVar(&c.twoProcess, "two-process", false, "abort mode: run the initiator (prefill) as a child process")
+	flag.StringVar(&c.clusterSecret, "cluster-secret-file", "", "engines authenticate with this cluster secret (auth mode: a temporary one when empty)")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile to this file")
 	flag.Parse()
 	if c.mode == "abort" || c.mode == "fence" {
@@ -110,11 +113,12 @@ var modes = map[string]func(config) error{
 	"raw-tcp":   runRawTCP,
 	"abort":     runAbort,
 	"fence":     runFence,
+	"auth":      runAuthCompare,
 }
 
 func (c *config) check() error {
 	if _, ok := modes[c.mode]; !ok {
-		return fmt.Errorf("--mode %q: want target, initiator, loopback, raw-tcp, abort or fence", c.mode)
+		return fmt.Errorf("--mode %q: want target, initiator, loopback, raw-tcp, abort, fence or auth", c.mode)
 	}
 	if c.op != "write" && c.op != "read" {
 		return fmt.Errorf("--op %q: want write or read", c.op)
@@ -138,7 +142,7 @@ func (c *config) check() error {
 }
 
 func (c *config) engineOptions() engine.Options {
-	return engine.Options{Host: c.host, SliceSize: c.sliceSize, PathsPerPeer: c.pathCount}
+	return engine.Options{Host: c.host, SliceSize: c.sliceSize, PathsPerPeer: c.pathCount, ClusterSecretFile: c.clusterSecret}
 }
 
 // newEngine starts an engine with c's options and allocates size bytes of
@@ -221,13 +225,20 @@ func runTarget(c config) error {
 }
 
 func runLoopback(c config) error {
+	_, err := loopback(c)
+	return err
+}
+
+// loopback runs a target and the timed loop against it in this process and
+// returns the loop's GB/s.
+func loopback(c config) (float64, error) {
 	target, buf, err := c.newTarget()
 	if err != nil {
-		return err
+		return 0, err
 	}
 	defer target.Close()
 	c.segment = target.Name()
-	return runInitiator(c, buf)
+	return initiate(c, buf)
 }
 
 type result struct {
@@ -239,25 +250,31 @@ type result struct {
 // runInitiator runs the timed loop against c.segment. In loopback mode
 // targetBuf is the target's buffer, checked directly as well.
 func runInitiator(c config, targetBuf []byte) error {
+	_, err := initiate(c, targetBuf)
+	return err
+}
+
+// initiate is runInitiator, returning the timed loop's GB/s.
+func initiate(c config, targetBuf []byte) (gbps float64, err error) {
 	e, local, err := c.newEngine(c.bufferSize)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	defer e.Close()
 	ctx := context.Background()
 	seg, err := e.OpenSegment(ctx, c.segment)
 	if err != nil {
-		return err
+		return 0, err
 	}
 	bufs := seg.Descriptor().Buffers
 	if len(bufs) == 0 {
-		return fmt.Errorf("segment %s registered no buffer", c.segment)
+		return 0, fmt.Errorf("segment %s registered no buffer", c.segment)
 	}
 	remote := bufs[0]
 	size := min(uint64(c.bufferSize), remote.Len)
 	per := size / uint64(c.threads) / uint64(c.blockSize) * uint64(c.blockSize)
 	if per == 0 {
-		return fmt.Errorf("buffer of %d bytes holds no block per thread", size)
+		return 0, fmt.Errorf("buffer of %d bytes holds no block per thread", size)
 	}
 	op := engine.Write
 	if c.op == "read" {
@@ -266,7 +283,7 @@ func runInitiator(c config, targetBuf []byte) error {
 		op = engine.Read
 		fill(local, 0, c.seed)
 		if err := moveAll(ctx, e, seg, engine.Write, engine.AddrOf(local), remote.Addr, per*uint64(c.threads)); err != nil {
-			return fmt.Errorf("prepare the target for reads: %w", err)
+			return 0, fmt.Errorf("prepare the target for reads: %w", err)
 		}
 		clear(local)
 	} else {
@@ -318,7 +335,7 @@ func runInitiator(c config, targetBuf []byte) error {
 	elapsed := time.Since(start)
 	close(done)
 	if err := errors.Join(errs...); err != nil {
-		return err
+		return 0, err
 	}
 	var all result
 	for _, r := range results {
@@ -333,7 +350,7 @@ func runInitiator(c config, targetBuf []byte) error {
 		}
 		return all.latencies[min(len(all.latencies)-1, int(p*float64(len(all.latencies))))]
 	}
-	gbps := float64(all.bytes) / elapsed.Seconds() / 1e9
+	gbps = float64(all.bytes) / elapsed.Seconds() / 1e9
 	fmt.Printf("RESULT mode=%s op=%s block=%d batch=%d threads=%d gbps=%.3f transfers_per_s=%.0f p50_batch_us=%d p99_batch_us=%d bytes=%d seconds=%.2f\n",
 		c.mode, c.op, c.blockSize, c.batchSize, c.threads, gbps, float64(all.transfers)/elapsed.Seconds(),
 		pct(0.50).Microseconds(), pct(0.99).Microseconds(), all.bytes, elapsed.Seconds())
@@ -358,24 +375,24 @@ func runInitiator(c config, targetBuf []byte) error {
 	if op == engine.Write {
 		back, err := e.AllocBuffer(int(used), "*")
 		if err != nil {
-			return err
+			return 0, err
 		}
 		if err := moveAll(ctx, e, seg, engine.Read, engine.AddrOf(back), remote.Addr, used); err != nil {
-			return fmt.Errorf("read back for verification: %w", err)
+			return 0, fmt.Errorf("read back for verification: %w", err)
 		}
 		if err := check(back, c.seed^0x5a5a); err != nil {
-			return fmt.Errorf("written data read back: %w", err)
+			return 0, fmt.Errorf("written data read back: %w", err)
 		}
 		if targetBuf != nil {
 			if err := check(targetBuf[:used], c.seed^0x5a5a); err != nil {
-				return fmt.Errorf("target buffer: %w", err)
+				return 0, fmt.Errorf("target buffer: %w", err)
 			}
 		}
 	} else if err := check(local[:used], c.seed); err != nil {
-		return fmt.Errorf("data read: %w", err)
+		return 0, fmt.Errorf("data read: %w", err)
 	}
 	fmt.Printf("integrity: ok (%d bytes checked)\n", checked)
-	return nil
+	return gbps, nil
 }
 
 // moveAll moves n bytes in 4 MiB requests.
