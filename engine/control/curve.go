@@ -343,6 +343,12 @@ func (s *curveSession) takeReady(cmd []byte) error {
 	if err != nil {
 		return fmt.Errorf("%w: READY metadata: %v", errProtocol, err)
 	}
+	// Checked again as the connection opens: Revoke (which runs on the
+	// loop, as this does) cuts only open connections, so a server whose
+	// key left the allowlist since our greeting is refused here.
+	if !s.a.Allowed(s.peerKey) {
+		return refuse("", "the server's key %s left our allowlist during the handshake", s.peerKey)
+	}
 	s.recvN, s.socketType, s.identity = n, st, id
 	s.open()
 	return nil
