@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -17,7 +16,6 @@ import (
 
 	"github.com/kvferry/kvferry/engine"
 	"github.com/kvferry/kvferry/engine/auth"
-	"github.com/kvferry/kvferry/engine/transport/tcp"
 	"github.com/kvferry/kvferry/internal/childproc"
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
@@ -69,65 +67,22 @@ func authEngine(t testing.TB, id *auth.Identity, allowed ...auth.Key) (*engine.E
 	return newEngineWith(t, opts), allow
 }
 
-// recordHandshake records, off the wire, the data-connection handshake an
-// engine authenticating as id makes with owner's data port (a passive
-// eavesdropper's catch), and writes it to a file for the attacker.
+// recordHandshake makes, as the holder of id's secret key, a data-connection
+// handshake with the owner's data port that the owner accepts, and writes
+// the bytes it sent to a file for the attacker: what an eavesdropper
+// recorded off the wire.
 func recordHandshake(t *testing.T, id auth.Identity, ownerKey auth.Key, dataAddr, name string) string {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	var (
-		mu  sync.Mutex
-		rec []byte
-		wg  sync.WaitGroup
-	)
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer c.Close()
-		up, err := net.Dial("tcp", dataAddr)
-		if err != nil {
-			return
-		}
-		defer up.Close()
-		go func() { _, _ = io.Copy(c, up) }()
-		buf := make([]byte, 4096)
-		for {
-			n, err := c.Read(buf)
-			mu.Lock()
-			rec = append(rec, buf[:n]...)
-			mu.Unlock()
-			if n > 0 {
-				_, _ = up.Write(buf[:n])
-			}
-			if err != nil {
-				return
-			}
-		}
-	}()
 	secret, allow := keyFiles(t, id, ownerKey)
 	a, err := auth.New(auth.Config{SecretKeyFile: secret, AllowlistFile: allow})
 	if err != nil {
 		t.Fatal(err)
 	}
-	tr := tcp.New(tcp.Options{Auth: a})
-	ep, err := tr.Dial(context.Background(), ln.Addr().String(), name)
+	rec, err := authedHandshake(a, dataAddr, name)
 	if err != nil {
 		t.Fatalf("record a handshake: %v", err)
 	}
-	_ = ep.Close()
-	_ = tr.Close()
-	wg.Wait()
 	path := filepath.Join(t.TempDir(), "handshake.bin")
-	mu.Lock()
-	defer mu.Unlock()
 	if err := os.WriteFile(path, rec, 0o600); err != nil {
 		t.Fatal(err)
 	}

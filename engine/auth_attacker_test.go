@@ -8,7 +8,9 @@ package engine_test
 
 import (
 	"context"
+	"crypto/hmac"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -206,14 +208,69 @@ func dataVerdict(addr string, handshake, req, wrote, secret []byte) string {
 	}
 }
 
+// authHello is an authenticating HELLO (see engine/transport/tcp's
+// auth.go): key, nonce, the address dialed, name.
+func authHello(key auth.Key, ni []byte, dialed, name string) []byte {
+	body := append(append([]byte(nil), key[:]...), ni...)
+	body = binary.LittleEndian.AppendUint16(body, uint16(len(dialed)))
+	body = append(append(body, dialed...), name...)
+	hello := dataReq(1, 0, 0, 0, 0, 0, 0, body)
+	hello[56] = 3 // GOAWAY | AUTH
+	return hello
+}
+
+// authedHandshake runs, with a's secret key, the initiator's side of a data
+// connection's handshake with the owner at addr (a second implementation of
+// the wire engine/transport/tcp's auth.go describes), requires the owner's
+// HELLO_ACK, and returns the bytes it sent.
+func authedHandshake(a *auth.Authority, addr, name string) ([]byte, error) {
+	c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	ni := make([]byte, 32)
+	_, _ = rand.Read(ni)
+	pi := a.Public()
+	hello := authHello(pi, ni, addr, name)
+	if _, err := c.Write(hello); err != nil {
+		return nil, err
+	}
+	ch := make([]byte, tcp.HeaderSize+96)
+	if _, err := io.ReadFull(c, ch); err != nil || ch[3] != 9 {
+		return nil, fmt.Errorf("no CHALLENGE: %v (type %d)", err, ch[3])
+	}
+	var po auth.Key
+	copy(po[:], ch[tcp.HeaderSize:])
+	no := ch[tcp.HeaderSize+32 : tcp.HeaderSize+64]
+	k, err := a.DataKey(po, "tcp")
+	if err != nil {
+		return nil, err
+	}
+	m := hmac.New(sha256.New, k[:])
+	for _, part := range [][]byte{[]byte("kvferry tcp initiator v1"), ni, no, pi[:], po[:],
+		binary.LittleEndian.AppendUint32(nil, uint32(len(addr))), []byte(addr),
+		binary.LittleEndian.AppendUint32(nil, uint32(len(name))), []byte(name)} {
+		m.Write(part)
+	}
+	authFrame := dataReq(10, 0, 0, 0, 0, 0, 0, m.Sum(nil))
+	if _, err := c.Write(authFrame); err != nil {
+		return nil, err
+	}
+	ack := make([]byte, tcp.HeaderSize)
+	if _, err := io.ReadFull(c, ack); err != nil || ack[3] != 2 || binary.LittleEndian.Uint32(ack[4:]) != 0 {
+		return nil, fmt.Errorf("the handshake was not accepted: %v, %x", err, ack[:8])
+	}
+	return append(hello, authFrame...), nil
+}
+
 // forged says HELLO with the legitimate peer's public key and a made-up
 // AUTH, then writes.
 func forged(p attackPlan, claimed auth.Key, payload []byte) string {
 	ni := make([]byte, 32)
 	_, _ = rand.Read(ni)
-	body := append(append(append([]byte(nil), claimed[:]...), ni...), p.Grantee...)
-	hello := dataReq(1, 0, 0, 0, 0, 0, 0, body)
-	hello[56] = 3 // GOAWAY | AUTH
+	hello := authHello(claimed, ni, p.DataAddr, p.Grantee)
 	mac := make([]byte, 32)
 	_, _ = rand.Read(mac)
 	handshake := append(hello, dataReq(10, 0, 0, 0, 0, 0, 0, mac)...)

@@ -55,35 +55,32 @@ func (e *Engine) ReloadAllowlist(ctx context.Context) error {
 		}
 		return fmt.Errorf("kvferry: reload allowlist: %w", err)
 	}
-	names, err := e.cutRevoked(ctx)
+	names, err := e.cutRevoked(ctx, len(removed) > 0)
 	e.log.Info("kvferry: allowlist reloaded", "keys", e.auth.Len(), "removed", len(removed), "peers_cut", names)
 	return err
 }
 
 // cutRevoked cuts every peer whose key the allowlist no longer holds, on
-// every plane, and returns their names.
-func (e *Engine) cutRevoked(ctx context.Context) ([]string, error) {
+// every plane, and returns their names. Control and tcp connections carry
+// the key they proved and are cut by it. A responder QP is known only by
+// the name its initiator gave on the control plane, and a name is not
+// bound to a key (an allowed peer may give another's), so when any key was
+// removed every rdma initiator's QPs are cut: each connects again through
+// the control plane's handshake, which refuses the removed keys, and its
+// work in flight is posted again as after a fence.
+func (e *Engine) cutRevoked(ctx context.Context, anyRemoved bool) ([]string, error) {
 	var errs []error
 	names, err := e.plane.Revoke(ctx)
 	errs = append(errs, err)
 	tcpNames, err := e.tcp.CutUnallowed(ctx)
 	errs = append(errs, err)
 	names = append(names, tcpNames...)
-	if e.rdma != nil {
-		// A responder QP is connected only through the control plane, so
-		// its initiator is known there by name: cut the QPs of every
-		// initiator just cut, and of any whose proven key is no longer
-		// allowed.
+	if e.rdma != nil && anyRemoved {
 		for _, ini := range e.rdma.Initiators() {
-			k, ok := e.plane.PeerKey(ctx, ini)
-			// One with no control connection left is cut too: it can only
-			// come back through the control plane's handshake.
-			if slices.Contains(names, ini) || !ok || !e.auth.Allowed(k) {
-				if err := e.rdma.CutPeer(ctx, ini); err != nil {
-					errs = append(errs, err)
-				}
-				names = append(names, ini)
+			if err := e.rdma.CutPeer(ctx, ini); err != nil {
+				errs = append(errs, err)
 			}
+			names = append(names, ini)
 		}
 	}
 	slices.Sort(names)

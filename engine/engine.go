@@ -217,7 +217,7 @@ func New(opts Options) (*Engine, error) {
 	}
 	e.plane = plane
 	e.tcp = tcp.New(tcp.Options{
-		ListenHost: hosts.bind, IOTimeout: opts.IOTimeout, Auth: authority, Logger: e.log, ApplyDelay: opts.Testing.ApplyDelay,
+		ListenHost: hosts.bind, IOTimeout: opts.IOTimeout, Auth: authority, AdvertiseHost: hosts.dataHost, Logger: e.log, ApplyDelay: opts.Testing.ApplyDelay,
 		MaxConnsPerPeer: opts.TCPMaxConnsPerPeer, MaxConns: opts.TCPMaxConns, IdleTimeout: opts.TCPIdleTimeout,
 		FrameTimeout: opts.TCPFrameTimeout, MinRate: opts.TCPMinRate,
 	})

@@ -4,17 +4,22 @@ package tcp
 // each new connection that they hold the secret key of a public key the
 // other's allowlist holds, before a byte of memory moves:
 //
-//	initiator -> owner  HELLO      done |= helloAuth; payload Pi | Ni | name
+//	initiator -> owner  HELLO      done |= helloAuth; payload Pi | Ni | len(A) | A | name
 //	owner -> initiator  CHALLENGE  payload Po | No | MACo
 //	initiator -> owner  AUTH       payload MACi
 //	owner -> initiator  HELLO_ACK
 //
-// P are the static public keys, N fresh random nonces, and the MACs are
+// P are the static public keys, N fresh random nonces, A the address the
+// initiator dialed ("host:port", a u16 length before it), and the MACs are
 // HMAC-SHA256 under k, the key both derive from X25519 of their own secret
 // and the other's public key (auth.Authority.DataKey), over a label of the
-// sender's role and the transcript Ni | No | Pi | Po | name. The owner's
-// fresh No makes a recorded HELLO and AUTH useless on a new connection; the
-// labels keep one side's MAC from serving as the other's. An owner that
+// sender's role and the transcript Ni | No | Pi | Po | A | name. The
+// owner's fresh No makes a recorded HELLO and AUTH useless on a new
+// connection; the labels keep one side's MAC from serving as the other's;
+// and the owner refuses an A that is not one of its own addresses, so a
+// process the initiator was led to dial (a stale address, a port an owner
+// left) cannot relay the handshake to another owner and keep the
+// connection it opens. An owner that
 // refuses answers HELLO_ACK with statusUnauthenticated and closes; an
 // initiator with Auth never talks to an owner that does not authenticate.
 // Payloads are not encrypted: authentication keeps strangers from memory,
@@ -28,6 +33,9 @@ import (
 	"encoding/binary"
 	"fmt"
 	"net"
+	"net/netip"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/kvferry/kvferry/engine/auth"
@@ -48,16 +56,79 @@ const (
 )
 
 // handshakeMAC is the MAC of one side (label) over the transcript.
-func handshakeMAC(k auth.Key, label string, ni, no []byte, pi, po auth.Key, name []byte) []byte {
+func handshakeMAC(k auth.Key, label string, ni, no []byte, pi, po auth.Key, dialed, name []byte) []byte {
 	m := hmac.New(sha256.New, k[:])
 	m.Write([]byte(label))
 	m.Write(ni)
 	m.Write(no)
 	m.Write(pi[:])
 	m.Write(po[:])
+	m.Write(binary.LittleEndian.AppendUint32(nil, uint32(len(dialed))))
+	m.Write(dialed)
 	m.Write(binary.LittleEndian.AppendUint32(nil, uint32(len(name))))
 	m.Write(name)
 	return m.Sum(nil)
+}
+
+// maxDialedAddr bounds the dialed address in an authenticating HELLO.
+const maxDialedAddr = 300
+
+// splitAuthHello parses an authenticating HELLO's payload.
+func splitAuthHello(p []byte) (pi auth.Key, ni, dialed, name []byte, ok bool) {
+	if len(p) < helloAuthPrefix+2 {
+		return pi, nil, nil, nil, false
+	}
+	copy(pi[:], p[:auth.KeySize])
+	ni = p[auth.KeySize:helloAuthPrefix]
+	n := int(binary.LittleEndian.Uint16(p[helloAuthPrefix:]))
+	rest := p[helloAuthPrefix+2:]
+	if n == 0 || n > maxDialedAddr || n >= len(rest) {
+		return pi, nil, nil, nil, false
+	}
+	return pi, ni, rest[:n], rest[n:], true
+}
+
+// ownAddress reports whether addr ("host:port", as an initiator dialed it)
+// reaches this transport: our port, and our bound address, our advertised
+// host, or, bound to a wildcard, one of this machine's addresses.
+func (t *Transport) ownAddress(addr string) bool {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil || t.ln == nil {
+		return false
+	}
+	bound := t.ln.Addr().(*net.TCPAddr)
+	if port != strconv.Itoa(bound.Port) {
+		return false
+	}
+	if t.opts.AdvertiseHost != "" && strings.EqualFold(host, strings.Trim(t.opts.AdvertiseHost, "[]")) {
+		return true
+	}
+	ip, err := netip.ParseAddr(host)
+	if err != nil {
+		return false
+	}
+	ip = ip.Unmap()
+	b, _ := netip.AddrFromSlice(bound.IP)
+	b = b.Unmap()
+	if ip == b {
+		return true
+	}
+	if !b.IsUnspecified() {
+		return false
+	}
+	if ip.IsLoopback() {
+		return true
+	}
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return false
+	}
+	for _, a := range addrs {
+		if p, err := netip.ParsePrefix(a.String()); err == nil && p.Addr().Unmap() == ip {
+			return true
+		}
+	}
+	return false
 }
 
 // authedConn is an accepted connection that authenticated: its peer's key
@@ -83,12 +154,14 @@ func (t *Transport) ownerAuth(c *ownerConn, h *header) (string, *authedConn, err
 		t.handshakeErr(c, err)
 		return "", nil, err
 	}
-	var pi auth.Key
-	copy(pi[:], payload[:auth.KeySize])
-	ni := payload[auth.KeySize:helloAuthPrefix]
-	name := payload[helloAuthPrefix:]
-	if !a.Allowed(pi) {
+	pi, ni, dialed, name, ok := splitAuthHello(payload)
+	switch {
+	case !ok:
+		return "", nil, t.refuseAuth(c, "a malformed authenticating HELLO")
+	case !a.Allowed(pi):
 		return "", nil, t.refuseAuth(c, "the initiator's key is not on the allowlist")
+	case !t.ownAddress(string(dialed)):
+		return "", nil, t.refuseAuth(c, fmt.Sprintf("the initiator dialed %q, not an address of ours (a relayed handshake?)", dialed))
 	}
 	k, err := a.DataKey(pi, dataKeyLabel)
 	if err != nil {
@@ -100,7 +173,7 @@ func (t *Transport) ownerAuth(c *ownerConn, h *header) (string, *authedConn, err
 		return "", nil, fmt.Errorf("tcp: nonce: %w", err)
 	}
 	ch := make([]byte, 0, challengeSize)
-	ch = append(append(append(ch, po[:]...), no...), handshakeMAC(k, macLabelOwner, ni, no, pi, po, name)...)
+	ch = append(append(append(ch, po[:]...), no...), handshakeMAC(k, macLabelOwner, ni, no, pi, po, dialed, name)...)
 	var hb [HeaderSize]byte
 	(&header{typ: frameChallenge, length: challengeSize}).encode(hb[:])
 	_ = c.conn.SetWriteDeadline(t.writeDeadline(HeaderSize + challengeSize))
@@ -120,7 +193,7 @@ func (t *Transport) ownerAuth(c *ownerConn, h *header) (string, *authedConn, err
 		t.handshakeErr(c, err)
 		return "", nil, err
 	}
-	if !hmac.Equal(mac, handshakeMAC(k, macLabelInitator, ni, no, pi, po, name)) {
+	if !hmac.Equal(mac, handshakeMAC(k, macLabelInitator, ni, no, pi, po, dialed, name)) {
 		return "", nil, t.refuseAuth(c, "the initiator's AUTH does not prove its key (a replayed or forged handshake)")
 	}
 	ac := &authedConn{key: pi, name: string(name), conn: c.conn, done: make(chan struct{})}
@@ -161,14 +234,20 @@ func (t *Transport) refuseAuth(c *ownerConn, why string) error {
 
 // initiatorAuth runs the initiator's side: HELLO with our key and a nonce,
 // the owner's CHALLENGE checked, our AUTH. It returns the owner's key.
-func (ep *endpoint) initiatorAuth(self string) (auth.Key, error) {
+func (ep *endpoint) initiatorAuth(dialed, self string) (auth.Key, error) {
 	a := ep.t.opts.Auth
 	pi := a.Public()
 	ni := make([]byte, authNonceSize)
 	if _, err := rand.Read(ni); err != nil {
 		return auth.Key{}, fmt.Errorf("tcp: nonce: %w", err)
 	}
-	payload := append(append(append(make([]byte, 0, helloAuthPrefix+len(self)), pi[:]...), ni...), self...)
+	if len(dialed) == 0 || len(dialed) > maxDialedAddr {
+		return auth.Key{}, fmt.Errorf("tcp: address %q: 1 to %d bytes", dialed, maxDialedAddr)
+	}
+	payload := make([]byte, 0, helloAuthPrefix+2+len(dialed)+len(self))
+	payload = append(append(payload, pi[:]...), ni...)
+	payload = binary.LittleEndian.AppendUint16(payload, uint16(len(dialed)))
+	payload = append(append(payload, dialed...), self...)
 	var hb [HeaderSize]byte
 	(&header{typ: frameHello, length: uint32(len(payload)), done: helloGoAway | helloAuth}).encode(hb[:])
 	if _, _, err := ep.out.writeGuarded(hb[:], payload, nil); err != nil {
@@ -204,11 +283,11 @@ func (ep *endpoint) initiatorAuth(self string) (auth.Key, error) {
 		return auth.Key{}, fmt.Errorf("%w: the owner's key: %w", ErrUnauthenticated, err)
 	}
 	name := []byte(self)
-	if !hmac.Equal(ch[helloAuthPrefix:], handshakeMAC(k, macLabelOwner, ni, no, pi, po, name)) {
+	if !hmac.Equal(ch[helloAuthPrefix:], handshakeMAC(k, macLabelOwner, ni, no, pi, po, []byte(dialed), name)) {
 		return auth.Key{}, fmt.Errorf("%w: the owner did not prove the key it announced", ErrUnauthenticated)
 	}
 	(&header{typ: frameAuth, length: authMACSize}).encode(hb[:])
-	if _, _, err := ep.out.writeGuarded(hb[:], handshakeMAC(k, macLabelInitator, ni, no, pi, po, name), nil); err != nil {
+	if _, _, err := ep.out.writeGuarded(hb[:], handshakeMAC(k, macLabelInitator, ni, no, pi, po, []byte(dialed), name), nil); err != nil {
 		return auth.Key{}, err
 	}
 	return po, nil

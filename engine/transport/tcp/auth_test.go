@@ -3,14 +3,16 @@ package tcp_test
 import (
 	"bytes"
 	"context"
+	"crypto/hmac"
 	"crypto/rand"
+	"crypto/sha256"
+	"encoding/binary"
 	"errors"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -207,49 +209,51 @@ func TestAWriteBehindAnUnauthenticatedHelloNeverLands(t *testing.T) {
 	}
 }
 
-// recorder is a TCP proxy that keeps what the initiator sent.
-type recorder struct {
-	mu  sync.Mutex
-	out bytes.Buffer
-}
-
-func recordingProxy(t *testing.T, target string) (string, *recorder) {
+// legitHandshake runs, as the holder of a's secret key, the initiator's
+// side of the handshake on a raw connection to the owner at addr (a second
+// implementation of the wire auth.go describes, as an eavesdropper would
+// see it), requires the owner's HELLO_ACK, and returns the bytes it sent:
+// a valid handshake, recorded.
+func legitHandshake(t *testing.T, a *auth.Authority, addr, name string) []byte {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	c := dialFrom(t, addr, "")
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	pi := a.Public()
+	ni := make([]byte, 32)
+	_, _ = rand.Read(ni)
+	payload := append(append([]byte(nil), pi[:]...), ni...)
+	payload = binary.LittleEndian.AppendUint16(payload, uint16(len(addr)))
+	payload = append(append(payload, addr...), name...)
+	hello := append(helloAuthFrame(len(payload)), payload...)
+	if _, err := c.Write(hello); err != nil {
+		t.Fatal(err)
+	}
+	ch := make([]byte, tcp.HeaderSize+96)
+	if _, err := io.ReadFull(c, ch); err != nil || ch[3] != 9 {
+		t.Fatalf("no CHALLENGE: %v (type %d)", err, ch[3])
+	}
+	var po auth.Key
+	copy(po[:], ch[tcp.HeaderSize:])
+	no := ch[tcp.HeaderSize+32 : tcp.HeaderSize+64]
+	k, err := a.DataKey(po, "tcp")
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = ln.Close() })
-	r := &recorder{}
-	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer c.Close()
-		up, err := net.Dial("tcp", target)
-		if err != nil {
-			return
-		}
-		defer up.Close()
-		go func() { _, _ = io.Copy(c, up) }()
-		buf := make([]byte, 64<<10)
-		for {
-			n, err := c.Read(buf)
-			if n > 0 {
-				r.mu.Lock()
-				r.out.Write(buf[:n])
-				r.mu.Unlock()
-				if _, werr := up.Write(buf[:n]); werr != nil {
-					return
-				}
-			}
-			if err != nil {
-				return
-			}
-		}
-	}()
-	return ln.Addr().String(), r
+	m := hmac.New(sha256.New, k[:])
+	for _, part := range [][]byte{[]byte("kvferry tcp initiator v1"), ni, no, pi[:], po[:],
+		binary.LittleEndian.AppendUint32(nil, uint32(len(addr))), []byte(addr),
+		binary.LittleEndian.AppendUint32(nil, uint32(len(name))), []byte(name)} {
+		m.Write(part)
+	}
+	authFrame := append(rawFrame(10, 0, 32, 0, 0), m.Sum(nil)...)
+	if _, err := c.Write(authFrame); err != nil {
+		t.Fatal(err)
+	}
+	ack := make([]byte, tcp.HeaderSize)
+	if _, err := io.ReadFull(c, ack); err != nil || ack[3] != 2 || binary.LittleEndian.Uint32(ack[4:]) != 0 {
+		t.Fatalf("the legitimate handshake was not accepted: %v, %x", err, ack[:8])
+	}
+	return append(hello, authFrame...)
 }
 
 // A handshake recorded from a real, allowed initiator and replayed on a new
@@ -263,22 +267,7 @@ func TestAReplayedHandshakeIsRefused(t *testing.T) {
 	owner, addr := ownerWith(t, tcp.Options{Auth: oa}, transporttest.NewOwner(reg))
 	g := newGuarded(t, reg)
 
-	proxy, rec := recordingProxy(t, addr)
-	tr := tcp.New(tcp.Options{Auth: ia})
-	t.Cleanup(func() { _ = tr.Close() })
-	ep, err := tr.Dial(context.Background(), proxy, "victim:1")
-	if err != nil {
-		t.Fatalf("the real initiator through the proxy: %v", err)
-	}
-	_ = ep.Close()
-	rec.mu.Lock()
-	handshake := append([]byte(nil), rec.out.Bytes()...)
-	rec.mu.Unlock()
-	// HELLO (header, key, nonce, name) then AUTH (header, MAC).
-	want := 2*tcp.HeaderSize + 32 + 32 + len("victim:1") + 32
-	if len(handshake) != want {
-		t.Fatalf("recorded %d bytes of handshake, want %d", len(handshake), want)
-	}
+	handshake := legitHandshake(t, ia, addr, "victim:1")
 	refused := owner.Stats().AuthRefused
 	c := dialFrom(t, addr, "")
 	payload := bytes.Repeat([]byte{0xee}, 64)
@@ -365,7 +354,9 @@ func FuzzHandshakeOwner(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
-	payload := append(append(append([]byte(nil), i.Public[:]...), make([]byte, 32)...), "x:1"...)
+	payload := append(append([]byte(nil), i.Public[:]...), make([]byte, 32)...)
+	payload = binary.LittleEndian.AppendUint16(payload, uint16(len(addr)))
+	payload = append(append(payload, addr...), "x:1"...)
 	valid := append(helloAuthFrame(len(payload)), payload...)
 	auth := append(rawFrame(10, 0, 32, 0, 0), make([]byte, 32)...)
 	write := append(rawFrame(3, 1, 16, regs[0].Key, regs[0].Addr), bytes.Repeat([]byte{0xee}, 16)...)

@@ -48,7 +48,7 @@ type endpoint struct {
 	finished   chan struct{}
 }
 
-func newEndpoint(t *Transport, conn *net.TCPConn, self string, deadline time.Time) (*endpoint, error) {
+func newEndpoint(t *Transport, conn *net.TCPConn, addr, self string, deadline time.Time) (*endpoint, error) {
 	rc, err := conn.SyscallConn()
 	if err != nil {
 		return nil, err
@@ -60,7 +60,7 @@ func newEndpoint(t *Transport, conn *net.TCPConn, self string, deadline time.Tim
 	var hb [HeaderSize]byte
 	_ = conn.SetDeadline(deadline)
 	if t.opts.Auth != nil {
-		if ep.ownerKey, err = ep.initiatorAuth(self); err != nil {
+		if ep.ownerKey, err = ep.initiatorAuth(addr, self); err != nil {
 			return nil, err
 		}
 	} else {

@@ -89,6 +89,12 @@ type Options struct {
 	// allowed key or does not authenticate at all. Nil: no
 	// authentication, the wire of earlier versions.
 	Auth *auth.Authority
+	// AdvertiseHost is the host peers dial our data port by when it is not
+	// the bound address (a name, NAT's outside address). With Auth, an
+	// initiator's handshake names the address it dialed, and only ours
+	// (this host, the bound address, or a local one under a wildcard
+	// bind, with our port) are accepted.
+	AdvertiseHost string
 }
 
 // Defaults of Options.
@@ -342,7 +348,7 @@ func (t *Transport) Dial(ctx context.Context, addr, self string) (transport.Endp
 	}
 	maxName := maxHelloName
 	if t.opts.Auth != nil {
-		maxName -= helloAuthPrefix
+		maxName -= helloAuthPrefix + 2 + len(addr)
 	}
 	if len(self) == 0 || len(self) > maxName {
 		return nil, fmt.Errorf("tcp: dial %s: our name %q must be 1 to %d bytes", addr, self, maxName)
@@ -368,7 +374,7 @@ func (t *Transport) Dial(ctx context.Context, addr, self string) (transport.Endp
 		return nil, transport.ErrClosed
 	}
 	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Unix(1, 0)) })
-	ep, err := newEndpoint(t, conn, self, deadline)
+	ep, err := newEndpoint(t, conn, addr, self, deadline)
 	stopped := stop()
 	t.conns.remove(conn)
 	if err == nil && !stopped {
