@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -16,43 +15,10 @@ import (
 
 	"github.com/kvferry/kvferry/engine"
 	"github.com/kvferry/kvferry/engine/auth"
+	"github.com/kvferry/kvferry/engine/auth/authtest"
 	"github.com/kvferry/kvferry/internal/childproc"
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 )
-
-func newIdentity(t testing.TB) auth.Identity {
-	t.Helper()
-	id, err := auth.IdentityFromSecret(randomKey(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return id
-}
-
-func randomKey(t testing.TB) auth.Key {
-	t.Helper()
-	var k auth.Key
-	f, err := os.Open("/dev/urandom")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	if _, err := io.ReadFull(f, k[:]); err != nil {
-		t.Fatal(err)
-	}
-	return k
-}
-
-// keyFiles writes id's key files into a new directory and returns their
-// paths.
-func keyFiles(t testing.TB, id auth.Identity, allowed ...auth.Key) (secret, allow string) {
-	t.Helper()
-	secret, allow, err := keyFilesIn(t.TempDir(), id, allowed...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return secret, allow
-}
 
 // authEngine is a tcp engine that authenticates as id and lets allowed in;
 // with a nil id it does not authenticate.
@@ -61,7 +27,7 @@ func authEngine(t testing.TB, id *auth.Identity, allowed ...auth.Key) (*engine.E
 	opts := engine.Options{}
 	var allow string
 	if id != nil {
-		opts.SecretKeyFile, allow = keyFiles(t, *id, allowed...)
+		opts.SecretKeyFile, allow = authtest.KeyFiles(t, *id, allowed...)
 		opts.AllowlistFile = allow
 	}
 	return newEngineWith(t, opts), allow
@@ -73,7 +39,7 @@ func authEngine(t testing.TB, id *auth.Identity, allowed ...auth.Key) (*engine.E
 // recorded off the wire.
 func recordHandshake(t *testing.T, id auth.Identity, ownerKey auth.Key, dataAddr, name string) string {
 	t.Helper()
-	secret, allow := keyFiles(t, id, ownerKey)
+	secret, allow := authtest.KeyFiles(t, id, ownerKey)
 	a, err := auth.New(auth.Config{SecretKeyFile: secret, AllowlistFile: allow})
 	if err != nil {
 		t.Fatal(err)
@@ -140,7 +106,7 @@ const attackBufSize = 64 << 10
 // the other) when on.
 func newVictim(t *testing.T, on bool) *victim {
 	t.Helper()
-	v := &victim{ownerID: newIdentity(t), peerID: newIdentity(t)}
+	v := &victim{ownerID: authtest.NewIdentity(t), peerID: authtest.NewIdentity(t)}
 	if on {
 		v.owner, _ = authEngine(t, &v.ownerID, v.peerID.Public)
 		v.peer, _ = authEngine(t, &v.peerID, v.ownerID.Public)
@@ -223,7 +189,7 @@ func TestAnAttackerProcessIsShutOutByAuthenticationAndNotWithoutIt(t *testing.T)
 			plan := v.plan
 			switch creds {
 			case "a key the owner does not allow":
-				plan.SecretKeyFile, plan.AllowlistFile = keyFiles(t, newIdentity(t), v.ownerID.Public)
+				plan.SecretKeyFile, plan.AllowlistFile = authtest.KeyFiles(t, authtest.NewIdentity(t), v.ownerID.Public)
 			case "the peer's key without its secret":
 				plan.ForgeKey = v.peerID.Public.String()
 			case "the peer's handshake replayed":
@@ -276,12 +242,12 @@ func testPeerKeyRemoved(t *testing.T, proto string) {
 		}
 		return o
 	}
-	ownerID, aID, bID := newIdentity(t), newIdentity(t), newIdentity(t)
-	oSecret, allow := keyFiles(t, ownerID, aID.Public, bID.Public)
+	ownerID, aID, bID := authtest.NewIdentity(t), authtest.NewIdentity(t), authtest.NewIdentity(t)
+	oSecret, allow := authtest.KeyFiles(t, ownerID, aID.Public, bID.Public)
 	owner := newEngineWith(t, opts(oSecret, allow))
-	aSecret, aAllow := keyFiles(t, aID, ownerID.Public)
+	aSecret, aAllow := authtest.KeyFiles(t, aID, ownerID.Public)
 	a := newEngineWith(t, opts(aSecret, aAllow))
-	b := newEngineWith(t, opts(keyFiles(t, bID, ownerID.Public)))
+	b := newEngineWith(t, opts(authtest.KeyFiles(t, bID, ownerID.Public)))
 	dst := newGuarded(t, owner, 4<<20, 3)
 	remote := engine.AddrOf(dst.mid)
 	srcA, srcB := alloc(t, a, 4<<20), alloc(t, b, 4<<20)

@@ -18,7 +18,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"path/filepath"
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
@@ -357,21 +356,4 @@ func attempt(addr string, msg []byte) bool {
 	_, err = io.Copy(io.Discard, c)
 	var ne net.Error
 	return !(errors.As(err, &ne) && ne.Timeout())
-}
-
-// keyFilesIn writes a secret key file and an allowlist into dir (made if
-// needed) and returns their paths.
-func keyFilesIn(dir string, id auth.Identity, allowed ...auth.Key) (secret, allow string, err error) {
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return "", "", err
-	}
-	secret, allow = filepath.Join(dir, "secret.key"), filepath.Join(dir, "allowed.keys")
-	if err := os.WriteFile(secret, []byte(id.Secret.String()+"\n"), 0o600); err != nil {
-		return "", "", err
-	}
-	var list []byte
-	for _, k := range allowed {
-		list = append(list, k.String()+"\n"...)
-	}
-	return secret, allow, os.WriteFile(allow, list, 0o600)
 }

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/kvferry/kvferry/engine/auth"
+	"github.com/kvferry/kvferry/engine/auth/authtest"
 	"github.com/kvferry/kvferry/engine/control"
 )
 
@@ -24,24 +25,7 @@ func BenchmarkPlaneRequest(b *testing.B) {
 }
 
 func benchPlaneRequest(b *testing.B, curve bool, size int) {
-	ids := []auth.Identity{keyPair(b), keyPair(b)}
-	n := 0
-	mk := func() *control.Plane {
-		var a *auth.Authority
-		if curve {
-			a = authority(b, identityFiles(b, ids[n], ids[0].Public, ids[1].Public))
-			n++
-		}
-		p, err := control.ListenWith("127.0.0.1", 0, control.Options{Auth: a}, nil)
-		if err != nil {
-			b.Fatal(err)
-		}
-		p.Handle(control.MsgPing, func(_ string, body []byte) (control.MsgType, []byte) { return control.MsgPong, body })
-		p.Start()
-		b.Cleanup(func() { _ = p.Close() })
-		return p
-	}
-	a, c := mk(), mk()
+	a, c := echoPlanes(b, curve)
 	// Incompressible, so that zstd does not make the 1 MiB case a
 	// benchmark of compression.
 	body := make([]byte, size)
@@ -68,22 +52,7 @@ func benchPlaneRequest(b *testing.B, curve bool, size int) {
 func BenchmarkCurveHandshake(b *testing.B) {
 	for _, curve := range []bool{false, true} {
 		b.Run(map[bool]string{false: "null", true: "curve"}[curve], func(b *testing.B) {
-			ids := []auth.Identity{keyPair(b), keyPair(b)}
-			mk := func(i int) *control.Plane {
-				var a *auth.Authority
-				if curve {
-					a = authority(b, identityFiles(b, ids[i], ids[0].Public, ids[1].Public))
-				}
-				p, err := control.ListenWith("127.0.0.1", 0, control.Options{Auth: a}, nil)
-				if err != nil {
-					b.Fatal(err)
-				}
-				p.Handle(control.MsgPing, func(_ string, body []byte) (control.MsgType, []byte) { return control.MsgPong, body })
-				p.Start()
-				b.Cleanup(func() { _ = p.Close() })
-				return p
-			}
-			a, c := mk(0), mk(1)
+			a, c := echoPlanes(b, curve)
 			ctx := context.Background()
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
@@ -99,4 +68,25 @@ func BenchmarkCurveHandshake(b *testing.B) {
 			}
 		})
 	}
+}
+
+// echoPlanes starts two planes that answer PING with PONG, each allowing the
+// other when curve is set.
+func echoPlanes(b *testing.B, curve bool) (*control.Plane, *control.Plane) {
+	ids := []auth.Identity{authtest.NewIdentity(b), authtest.NewIdentity(b)}
+	mk := func(i int) *control.Plane {
+		var a *auth.Authority
+		if curve {
+			a = authtest.Authority(b, ids[i], ids[0].Public, ids[1].Public)
+		}
+		p, err := control.ListenWith("127.0.0.1", 0, control.Options{Auth: a}, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		p.Handle(control.MsgPing, func(_ string, body []byte) (control.MsgType, []byte) { return control.MsgPong, body })
+		p.Start()
+		b.Cleanup(func() { _ = p.Close() })
+		return p
+	}
+	return mk(0), mk(1)
 }

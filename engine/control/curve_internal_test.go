@@ -2,47 +2,12 @@ package control
 
 import (
 	"bytes"
-	"crypto/rand"
 	"errors"
-	"os"
-	"path/filepath"
 	"testing"
 
 	"github.com/kvferry/kvferry/engine/auth"
+	"github.com/kvferry/kvferry/engine/auth/authtest"
 )
-
-// testAuthority builds an Authority for id allowing allowed (and itself).
-func testAuthority(t testing.TB, id auth.Identity, allowed ...auth.Key) *auth.Authority {
-	t.Helper()
-	dir := t.TempDir()
-	c := auth.Config{SecretKeyFile: filepath.Join(dir, "secret"), AllowlistFile: filepath.Join(dir, "allow")}
-	var list []byte
-	for _, k := range allowed {
-		list = append(list, k.String()+"\n"...)
-	}
-	if err := os.WriteFile(c.SecretKeyFile, []byte(id.Secret.String()), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(c.AllowlistFile, list, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	a, err := auth.New(c)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return a
-}
-
-func newIdentity(t testing.TB) auth.Identity {
-	t.Helper()
-	var sk auth.Key
-	_, _ = rand.Read(sk[:])
-	id, err := auth.IdentityFromSecret(sk)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return id
-}
 
 // sessionPair is a client and a server session wired to each other in
 // memory.
@@ -56,13 +21,13 @@ type sessionPair struct {
 
 func newSessionPair(t testing.TB, clientAllows, serverAllows func(cl, srv auth.Identity) []auth.Key) *sessionPair {
 	t.Helper()
-	p := &sessionPair{clientID: newIdentity(t), serverID: newIdentity(t)}
+	p := &sessionPair{clientID: authtest.NewIdentity(t), serverID: authtest.NewIdentity(t)}
 	var err error
-	if p.cl, err = newCurveSession(testAuthority(t, p.clientID, clientAllows(p.clientID, p.serverID)...), false); err != nil {
+	if p.cl, err = newCurveSession(authtest.Authority(t, p.clientID, clientAllows(p.clientID, p.serverID)...), false); err != nil {
 		t.Fatal(err)
 	}
 	p.cl.identity = "client:1"
-	if p.srv, err = newCurveSession(testAuthority(t, p.serverID, serverAllows(p.clientID, p.serverID)...), true); err != nil {
+	if p.srv, err = newCurveSession(authtest.Authority(t, p.serverID, serverAllows(p.clientID, p.serverID)...), true); err != nil {
 		t.Fatal(err)
 	}
 	p.toSrv = p.cl.greeting()
@@ -166,12 +131,12 @@ func TestCurveRefusesWhatTheAllowlistsDoNotHold(t *testing.T) {
 // does not hold its secret, cannot answer HELLO with a WELCOME the client
 // opens.
 func TestCurveClientRefusesAServerWithoutTheSecretOfTheKeyItAnnounces(t *testing.T) {
-	real, impostor, client := newIdentity(t), newIdentity(t), newIdentity(t)
-	cl, err := newCurveSession(testAuthority(t, client, real.Public), false)
+	real, impostor, client := authtest.NewIdentity(t), authtest.NewIdentity(t), authtest.NewIdentity(t)
+	cl, err := newCurveSession(authtest.Authority(t, client, real.Public), false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv, err := newCurveSession(testAuthority(t, impostor, client.Public), true)
+	srv, err := newCurveSession(authtest.Authority(t, impostor, client.Public), true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -205,8 +170,8 @@ func FuzzCurveServerHandshake(f *testing.F) {
 	f.Add(hello[zmtpGreetingSize:])
 	f.Add([]byte{4, 5, 5, 'E', 'R', 'R', 'O', 'R'})
 	f.Add(command("INITIATE", make([]byte, 300))[:])
-	id, allowed := newIdentity(f), newIdentity(f)
-	a := testAuthority(f, id, allowed.Public)
+	id, allowed := authtest.NewIdentity(f), authtest.NewIdentity(f)
+	a := authtest.Authority(f, id, allowed.Public)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		s, err := newCurveSession(a, true)
 		if err != nil {
@@ -228,8 +193,8 @@ func FuzzCurveClientHandshake(f *testing.F) {
 	f.Add(command("WELCOME", make([]byte, 160)))
 	f.Add(command("READY", make([]byte, 30)))
 	f.Add(errorCommand("no"))
-	srv, client := newIdentity(f), newIdentity(f)
-	a := testAuthority(f, client, srv.Public)
+	srv, client := authtest.NewIdentity(f), authtest.NewIdentity(f)
+	a := authtest.Authority(f, client, srv.Public)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		s, err := newCurveSession(a, false)
 		if err != nil {

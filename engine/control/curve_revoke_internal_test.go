@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/kvferry/kvferry/engine/auth"
+	"github.com/kvferry/kvferry/engine/auth/authtest"
 )
 
 // A server whose key leaves our allowlist while our handshake with it is
@@ -17,7 +18,7 @@ import (
 // opens afterwards and carries our queued messages to the removed peer,
 // and its replies to our handlers.
 func TestCurveClientRefusesAServerRemovedDuringTheHandshake(t *testing.T) {
-	clientID, serverID := newIdentity(t), newIdentity(t)
+	clientID, serverID := authtest.NewIdentity(t), authtest.NewIdentity(t)
 	dir := t.TempDir()
 	c := auth.Config{SecretKeyFile: filepath.Join(dir, "secret"), AllowlistFile: filepath.Join(dir, "allow")}
 	if err := os.WriteFile(c.SecretKeyFile, []byte(clientID.Secret.String()), 0o600); err != nil {

@@ -4,64 +4,15 @@ import (
 	"crypto/rand"
 	"errors"
 	"log/slog"
-	"os"
-	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
 	zmq "github.com/pebbe/zmq4"
 
 	"github.com/kvferry/kvferry/engine/auth"
+	"github.com/kvferry/kvferry/engine/auth/authtest"
 	"github.com/kvferry/kvferry/engine/control"
 )
-
-// keyPair makes a fresh identity.
-func keyPair(t testing.TB) auth.Identity {
-	t.Helper()
-	var sk auth.Key
-	if _, err := rand.Read(sk[:]); err != nil {
-		t.Fatal(err)
-	}
-	id, err := auth.IdentityFromSecret(sk)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return id
-}
-
-// identityFiles writes id's secret key file and an allowlist of allowed in
-// a new directory and returns the Config naming them.
-func identityFiles(t testing.TB, id auth.Identity, allowed ...auth.Key) auth.Config {
-	t.Helper()
-	dir := t.TempDir()
-	c := auth.Config{SecretKeyFile: filepath.Join(dir, "secret.key"), AllowlistFile: filepath.Join(dir, "allowed.keys")}
-	if err := os.WriteFile(c.SecretKeyFile, []byte(id.Secret.String()+"\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	writeAllowlist(t, c.AllowlistFile, allowed...)
-	return c
-}
-
-func writeAllowlist(t testing.TB, path string, allowed ...auth.Key) {
-	t.Helper()
-	var sb strings.Builder
-	for _, k := range allowed {
-		sb.WriteString(k.String() + " peer\n")
-	}
-	if err := os.WriteFile(path, []byte(sb.String()), 0o600); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func authority(t testing.TB, c auth.Config) *auth.Authority {
-	t.Helper()
-	a, err := auth.New(c)
-	if err != nil {
-		t.Fatalf("auth.New: %v", err)
-	}
-	return a
-}
 
 // newAuthPlane starts a plane like newPlane, with a (nil: NULL).
 func newAuthPlane(t *testing.T, a *auth.Authority) *testPlane {
@@ -87,9 +38,9 @@ func newAuthPlane(t *testing.T, a *auth.Authority) *testPlane {
 }
 
 func TestPlanesWithAllowedKeysTalkOverCurve(t *testing.T) {
-	a, b := keyPair(t), keyPair(t)
-	pa := newAuthPlane(t, authority(t, identityFiles(t, a, b.Public)))
-	pb := newAuthPlane(t, authority(t, identityFiles(t, b, a.Public)))
+	a, b := authtest.NewIdentity(t), authtest.NewIdentity(t)
+	pa := newAuthPlane(t, authtest.Authority(t, a, b.Public))
+	pb := newAuthPlane(t, authtest.Authority(t, b, a.Public))
 	big := make([]byte, 3<<20) // several MESSAGE boxes, the long frame form
 	_, _ = rand.Read(big)
 	for _, body := range [][]byte{[]byte("hello"), big} {
@@ -118,8 +69,8 @@ func TestPlanesWithAllowedKeysTalkOverCurve(t *testing.T) {
 // between two planes without authentication is answered, which shows the
 // requests themselves are fine.
 func TestPeersWithoutAnAllowedKeyAreRefusedInTheHandshake(t *testing.T) {
-	server, allowed, stranger := keyPair(t), keyPair(t), keyPair(t)
-	srv := newAuthPlane(t, authority(t, identityFiles(t, server, allowed.Public)))
+	server, allowed, stranger := authtest.NewIdentity(t), authtest.NewIdentity(t), authtest.NewIdentity(t)
+	srv := newAuthPlane(t, authtest.Authority(t, server, allowed.Public))
 	open := newAuthPlane(t, nil)
 
 	cases := []struct {
@@ -130,8 +81,8 @@ func TestPeersWithoutAnAllowedKeyAreRefusedInTheHandshake(t *testing.T) {
 		quick bool
 	}{
 		{"no key (NULL mechanism)", nil, false},
-		{"a key the server does not allow", authority(t, identityFiles(t, stranger, server.Public)), true},
-		{"an allowed key, but the server's key is not on the client's list", authority(t, identityFiles(t, allowed)), true},
+		{"a key the server does not allow", authtest.Authority(t, stranger, server.Public), true},
+		{"an allowed key, but the server's key is not on the client's list", authtest.Authority(t, allowed), true},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -158,7 +109,7 @@ func TestPeersWithoutAnAllowedKeyAreRefusedInTheHandshake(t *testing.T) {
 		})
 	}
 	t.Run("an authenticating client and a server that does not authenticate", func(t *testing.T) {
-		cl := newAuthPlane(t, authority(t, identityFiles(t, allowed, server.Public)))
+		cl := newAuthPlane(t, authtest.Authority(t, allowed, server.Public))
 		_, _, err := cl.Request(ctxFor(t, 3*time.Second), open.Name(), control.MsgPing, []byte("secret"))
 		if !errors.Is(err, control.ErrUnauthenticated) {
 			t.Fatalf("err = %v, want ErrUnauthenticated", err)
@@ -178,18 +129,17 @@ func TestPeersWithoutAnAllowedKeyAreRefusedInTheHandshake(t *testing.T) {
 // A peer whose key is removed from the allowlist at run time loses its
 // connection at Revoke and is refused when it comes back.
 func TestRevokeCutsAPeerWhoseKeyWasRemoved(t *testing.T) {
-	server, a, b := keyPair(t), keyPair(t), keyPair(t)
-	cfg := identityFiles(t, server, a.Public, b.Public)
-	sa := authority(t, cfg)
+	server, a, b := authtest.NewIdentity(t), authtest.NewIdentity(t), authtest.NewIdentity(t)
+	sa, allowlist := authtest.New(t, server, a.Public, b.Public)
 	srv := newAuthPlane(t, sa)
-	pa := newAuthPlane(t, authority(t, identityFiles(t, a, server.Public)))
-	pb := newAuthPlane(t, authority(t, identityFiles(t, b, server.Public)))
+	pa := newAuthPlane(t, authtest.Authority(t, a, server.Public))
+	pb := newAuthPlane(t, authtest.Authority(t, b, server.Public))
 	for _, p := range []*testPlane{pa, pb} {
 		if _, _, err := p.Request(ctxFor(t, 5*time.Second), srv.Name(), control.MsgPing, nil); err != nil {
 			t.Fatal(err)
 		}
 	}
-	writeAllowlist(t, cfg.AllowlistFile, b.Public)
+	authtest.WriteAllowlist(t, allowlist, b.Public)
 	removed, err := sa.Reload()
 	if err != nil || len(removed) != 1 || removed[0] != a.Public {
 		t.Fatalf("Reload = %v, %v", removed, err)
@@ -217,12 +167,12 @@ func TestLibzmqCurveClientIsServed(t *testing.T) {
 	if !zmq.HasCurve() {
 		t.Skip("libzmq built without CURVE")
 	}
-	server := keyPair(t)
+	server := authtest.NewIdentity(t)
 	pub, sec, err := zmq.NewCurveKeypair()
 	must(t, err)
 	clientKey, err := auth.ParseKey(pub)
 	must(t, err)
-	srv := newAuthPlane(t, authority(t, identityFiles(t, server, clientKey)))
+	srv := newAuthPlane(t, authtest.Authority(t, server, clientKey))
 
 	d := rawSocket(t, zctx(t), zmq.DEALER)
 	must(t, d.SetCurveServerkey(server.Public.String()))

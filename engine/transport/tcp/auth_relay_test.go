@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"github.com/kvferry/kvferry/engine/auth/authtest"
 	"io"
 	"net"
 	"testing"
@@ -40,9 +41,9 @@ func relayFrame(t *testing.T, dst, src net.Conn) []byte {
 // initiator dialed, under its MAC, and the owner refuses one that is not
 // its own: the relay gets no connection and writes nothing.
 func TestARelayedHandshakeGivesTheRelayNoDataConnection(t *testing.T) {
-	victim, target := newIdentity(t), newIdentity(t)
-	ta, _ := authorityFiles(t, target, victim.Public)
-	va, _ := authorityFiles(t, victim, target.Public)
+	victim, target := authtest.NewIdentity(t), authtest.NewIdentity(t)
+	ta, _ := authtest.New(t, target, victim.Public)
+	va, _ := authtest.New(t, victim, target.Public)
 	reg := memory.NewRegistry()
 	_, targetAddr := ownerWith(t, tcp.Options{Auth: ta}, transporttest.NewOwner(reg))
 	g := newGuarded(t, reg)

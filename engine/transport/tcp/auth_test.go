@@ -10,84 +10,24 @@ import (
 	"errors"
 	"io"
 	"net"
-	"os"
-	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/kvferry/kvferry/engine/auth"
+	"github.com/kvferry/kvferry/engine/auth/authtest"
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/engine/transport/tcp"
 	"github.com/kvferry/kvferry/engine/transport/transporttest"
 )
 
-func newIdentity(t testing.TB) auth.Identity {
-	t.Helper()
-	var sk auth.Key
-	_, _ = rand.Read(sk[:])
-	id, err := auth.IdentityFromSecret(sk)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return id
-}
-
-// authorityFiles writes id's secret key and an allowlist, and returns an
-// Authority built from them with the allowlist's path (to rewrite and
-// reload).
-func authorityFiles(t testing.TB, id auth.Identity, allowed ...auth.Key) (*auth.Authority, string) {
-	t.Helper()
-	dir := t.TempDir()
-	sk, al := filepath.Join(dir, "secret"), filepath.Join(dir, "allow")
-	if err := os.WriteFile(sk, []byte(id.Secret.String()), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	writeKeys(t, al, allowed...)
-	a, err := auth.New(auth.Config{SecretKeyFile: sk, AllowlistFile: al})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return a, al
-}
-
-func writeKeys(t testing.TB, path string, keys ...auth.Key) {
-	t.Helper()
-	var sb strings.Builder
-	for _, k := range keys {
-		sb.WriteString(k.String() + "\n")
-	}
-	if err := os.WriteFile(path, []byte(sb.String()), 0o600); err != nil {
-		t.Fatal(err)
-	}
-}
-
 // TestConformanceWithAuthentication runs the transport suite with both ends
 // authenticating: authentication changes nothing a transfer sees.
 func TestConformanceWithAuthentication(t *testing.T) {
-	o, i := newIdentity(t), newIdentity(t)
-	oa, _ := authorityFiles(t, o, i.Public)
-	ia, _ := authorityFiles(t, i, o.Public)
-	transporttest.Run(t, func(t *testing.T, owner transport.Owner) transport.Endpoint {
-		ownerSide := tcp.New(tcp.Options{Auth: oa})
-		addr, err := ownerSide.Listen(owner)
-		if err != nil {
-			t.Fatalf("listen: %v", err)
-		}
-		initiatorSide := tcp.New(tcp.Options{Auth: ia})
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		defer cancel()
-		ep, err := initiatorSide.Dial(ctx, addr, "initiator:1")
-		if err != nil {
-			_ = ownerSide.Close()
-			t.Fatalf("dial %s: %v", addr, err)
-		}
-		t.Cleanup(func() { _ = ep.Close() })
-		t.Cleanup(func() { _ = initiatorSide.Close() })
-		t.Cleanup(func() { _ = ownerSide.Close() })
-		return ep
-	})
+	o, i := authtest.NewIdentity(t), authtest.NewIdentity(t)
+	oa, _ := authtest.New(t, o, i.Public)
+	ia, _ := authtest.New(t, i, o.Public)
+	transporttest.Run(t, conformancePair(tcp.Options{Auth: oa}, tcp.Options{Auth: ia}))
 }
 
 // guarded is owner memory with a known pattern and its registration.
@@ -137,8 +77,8 @@ func writeOne(t *testing.T, ep transport.Endpoint, g *guarded, data []byte) erro
 // Every way of not proving an allowed key is refused before a byte moves,
 // and the owner counts it; both ends with allowed keys write.
 func TestDataConnectionsWithoutAnAllowedKeyAreRefused(t *testing.T) {
-	o, i, stranger := newIdentity(t), newIdentity(t), newIdentity(t)
-	oa, _ := authorityFiles(t, o, i.Public)
+	o, i, stranger := authtest.NewIdentity(t), authtest.NewIdentity(t), authtest.NewIdentity(t)
+	oa, _ := authtest.New(t, o, i.Public)
 	reg := memory.NewRegistry()
 	owner, addr := ownerWith(t, tcp.Options{Auth: oa}, transporttest.NewOwner(reg))
 	g := newGuarded(t, reg)
@@ -146,9 +86,9 @@ func TestDataConnectionsWithoutAnAllowedKeyAreRefused(t *testing.T) {
 	openOwner, openAddr := ownerWith(t, tcp.Options{}, nil)
 	_ = openOwner
 
-	ia, _ := authorityFiles(t, i, o.Public)
-	sa, _ := authorityFiles(t, stranger, o.Public)
-	blind, _ := authorityFiles(t, i) // i's key, but o's key is not on its list
+	ia, _ := authtest.New(t, i, o.Public)
+	sa, _ := authtest.New(t, stranger, o.Public)
+	blind, _ := authtest.New(t, i) // i's key, but o's key is not on its list
 	for _, tc := range []struct {
 		name string
 		auth *auth.Authority
@@ -191,8 +131,8 @@ func TestDataConnectionsWithoutAnAllowedKeyAreRefused(t *testing.T) {
 // A raw attacker that pipelines a WRITE right behind a HELLO, as if the
 // owner did not authenticate, writes nothing.
 func TestAWriteBehindAnUnauthenticatedHelloNeverLands(t *testing.T) {
-	o := newIdentity(t)
-	oa, _ := authorityFiles(t, o)
+	o := authtest.NewIdentity(t)
+	oa, _ := authtest.New(t, o)
 	reg := memory.NewRegistry()
 	owner, addr := ownerWith(t, tcp.Options{Auth: oa}, transporttest.NewOwner(reg))
 	g := newGuarded(t, reg)
@@ -260,9 +200,9 @@ func legitHandshake(t *testing.T, a *auth.Authority, addr, name string) []byte {
 // connection is refused: the owner's nonce is new, so the recorded AUTH no
 // longer proves anything.
 func TestAReplayedHandshakeIsRefused(t *testing.T) {
-	o, i := newIdentity(t), newIdentity(t)
-	oa, _ := authorityFiles(t, o, i.Public)
-	ia, _ := authorityFiles(t, i, o.Public)
+	o, i := authtest.NewIdentity(t), authtest.NewIdentity(t)
+	oa, _ := authtest.New(t, o, i.Public)
+	ia, _ := authtest.New(t, i, o.Public)
 	reg := memory.NewRegistry()
 	owner, addr := ownerWith(t, tcp.Options{Auth: oa}, transporttest.NewOwner(reg))
 	g := newGuarded(t, reg)
@@ -286,13 +226,13 @@ func TestAReplayedHandshakeIsRefused(t *testing.T) {
 // connections and waits for their serving to end: its next WRITE fails and
 // lands nothing, and it cannot connect again; another initiator goes on.
 func TestCutUnallowedEndsARemovedInitiatorsConnections(t *testing.T) {
-	o, a, b := newIdentity(t), newIdentity(t), newIdentity(t)
-	oa, allowFile := authorityFiles(t, o, a.Public, b.Public)
+	o, a, b := authtest.NewIdentity(t), authtest.NewIdentity(t), authtest.NewIdentity(t)
+	oa, allowFile := authtest.New(t, o, a.Public, b.Public)
 	reg := memory.NewRegistry()
 	owner, addr := ownerWith(t, tcp.Options{Auth: oa}, transporttest.NewOwner(reg))
 	g := newGuarded(t, reg)
 	dial := func(id auth.Identity, name string) (*tcp.Transport, transport.Endpoint) {
-		ia, _ := authorityFiles(t, id, o.Public)
+		ia, _ := authtest.New(t, id, o.Public)
 		tr := tcp.New(tcp.Options{Auth: ia})
 		t.Cleanup(func() { _ = tr.Close() })
 		ep, err := tr.Dial(context.Background(), addr, name)
@@ -306,7 +246,7 @@ func TestCutUnallowedEndsARemovedInitiatorsConnections(t *testing.T) {
 	if err := writeOne(t, epA, g, []byte("a-before")); err != nil {
 		t.Fatal(err)
 	}
-	writeKeys(t, allowFile, b.Public)
+	authtest.WriteAllowlist(t, allowFile, b.Public)
 	if _, err := oa.Reload(); err != nil {
 		t.Fatal(err)
 	}
@@ -340,8 +280,8 @@ func helloAuthFrame(n int) []byte {
 // with success, never lets a byte into its memory, and never hangs (the
 // connection ends once the input does).
 func FuzzHandshakeOwner(f *testing.F) {
-	o, i := newIdentity(f), newIdentity(f)
-	oa, _ := authorityFiles(f, o, i.Public)
+	o, i := authtest.NewIdentity(f), authtest.NewIdentity(f)
+	oa, _ := authtest.New(f, o, i.Public)
 	reg := memory.NewRegistry()
 	tr := tcp.New(tcp.Options{Auth: oa, HandshakeTimeout: 2 * time.Second})
 	addr, err := tr.Listen(transporttest.NewOwner(reg))
@@ -401,8 +341,8 @@ func FuzzHandshakeOwner(f *testing.F) {
 // arbitrary bytes: its Dial always fails (only the owner's secret key makes
 // a CHALLENGE it accepts), and never hangs past its deadline.
 func FuzzHandshakeInitiator(f *testing.F) {
-	o, i := newIdentity(f), newIdentity(f)
-	ia, _ := authorityFiles(f, i, o.Public)
+	o, i := authtest.NewIdentity(f), authtest.NewIdentity(f)
+	ia, _ := authtest.New(f, i, o.Public)
 	tr := tcp.New(tcp.Options{Auth: ia, HandshakeTimeout: 2 * time.Second})
 	f.Cleanup(func() { _ = tr.Close() })
 	ch := append(rawFrame(9, 0, 96, 0, 0), append(append([]byte(nil), o.Public[:]...), make([]byte, 64)...)...)

@@ -13,13 +13,19 @@ import (
 // TestConformance runs the transport suite over loopback TCP: one transport
 // listens for the owner, another dials it for the initiator.
 func TestConformance(t *testing.T) {
-	transporttest.Run(t, func(t *testing.T, owner transport.Owner) transport.Endpoint {
-		ownerSide := tcp.New(tcp.Options{})
+	transporttest.Run(t, conformancePair(tcp.Options{}, tcp.Options{}))
+}
+
+// conformancePair is the suite's factory for an owner's transport with
+// ownerOpts and an initiator's with initiatorOpts.
+func conformancePair(ownerOpts, initiatorOpts tcp.Options) transporttest.Factory {
+	return func(t *testing.T, owner transport.Owner) transport.Endpoint {
+		ownerSide := tcp.New(ownerOpts)
 		addr, err := ownerSide.Listen(owner)
 		if err != nil {
 			t.Fatalf("listen: %v", err)
 		}
-		initiatorSide := tcp.New(tcp.Options{})
+		initiatorSide := tcp.New(initiatorOpts)
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		ep, err := initiatorSide.Dial(ctx, addr, "initiator:1")
@@ -33,5 +39,5 @@ func TestConformance(t *testing.T) {
 		t.Cleanup(func() { _ = initiatorSide.Close() })
 		t.Cleanup(func() { _ = ownerSide.Close() })
 		return ep
-	})
+	}
 }
