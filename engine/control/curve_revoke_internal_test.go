@@ -36,7 +36,7 @@ func TestCurveClientRefusesAServerRemovedDuringTheHandshake(t *testing.T) {
 		t.Fatal(err)
 	}
 	cl.identity = "client:1"
-	srv, err := newCurveSession(testAuthority(t, serverID, clientID.Public), true)
+	srv, err := newCurveSession(authtest.Authority(t, serverID, clientID.Public), true)
 	if err != nil {
 		t.Fatal(err)
 	}
