@@ -152,10 +152,18 @@ wait "$spid" || fail "ibv_rc_pingpong server on rxe0: $(cat "$tmp/srv")"
 rm -rf "$tmp"
 
 # Taking a link down flushes the routes through it; the way back up puts
-# them back. Tests that need a failing link use these.
+# them back. Tests that need a failing link use these. With its routes
+# gone, traffic between the two local addresses would fall through to the
+# local table and go on over loopback, so that the link being down cut
+# nothing, depending on when the kernel dropped which route: the way down
+# puts blackhole routes in their place, and the way up replaces them.
 mkdir -p /run/rxe
 # shellcheck disable=SC2016 # $1 is the helper's
-printf '#!/bin/sh\nexec ip link set "${1:-veth1}" down\n' >/run/rxe/link-down
+{
+	printf '#!/bin/sh\nset -e\nip link set "${1:-veth1}" down\n'
+	printf 'ip route replace blackhole %s table 100\n' "$a1"
+	printf 'ip route replace blackhole %s table 100\n' "$a0"
+} >/run/rxe/link-down
 # shellcheck disable=SC2016 # $1 is the helper's
 {
 	printf '#!/bin/sh\nset -e\nip link set "${1:-veth1}" up\n'
