@@ -5,6 +5,7 @@
 //	kvferry-bench --mode abort --rate 1000 --duration 10
 //	kvferry-bench --mode fence --rate 1000 --duration 10
 //	kvferry-bench --mode auth --duration 2
+//	kvferry-bench --mode pingpong --block-size 4096 --duration 6
 //
 // Modes: target (serve a buffer and wait), initiator (move data to or from a
 // target named by --segment), loopback (both in one process, TCP on
@@ -49,7 +50,7 @@ type config struct {
 
 func main() {
 	var c config
-	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp | abort | fence | auth")
+	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp | abort | fence | auth | pingpong")
 	flag.StringVar(&c.op, "op", "write", "write | read")
 	flag.StringVar(&c.segment, "segment", "", "the target's segment name host:port (initiator mode; abort mode: be the child of --two-process)")
 	flag.StringVar(&c.host, "host", "127.0.0.1", "address to listen on")
@@ -114,11 +115,14 @@ var modes = map[string]func(config) error{
 	"abort":     runAbort,
 	"fence":     runFence,
 	"auth":      runAuthCompare,
+	"pingpong":  runPingPong,
+	// pong-server is pingpong mode's raw TCP peer process.
+	"pong-server": runPongServer,
 }
 
 func (c *config) check() error {
 	if _, ok := modes[c.mode]; !ok {
-		return fmt.Errorf("--mode %q: want target, initiator, loopback, raw-tcp, abort, fence or auth", c.mode)
+		return fmt.Errorf("--mode %q: want target, initiator, loopback, raw-tcp, abort, fence, auth or pingpong", c.mode)
 	}
 	if c.op != "write" && c.op != "read" {
 		return fmt.Errorf("--op %q: want write or read", c.op)
