@@ -437,48 +437,6 @@ func errorCommand(reason string) []byte {
 	return command("ERROR", []byte{byte(len(reason))}, []byte(reason))
 }
 
-// appendProps appends ZMTP metadata: Socket-Type and, when set, Identity.
-func appendProps(b []byte, socketType, identity string) []byte {
-	prop := func(name, value string) {
-		b = append(b, byte(len(name)))
-		b = append(b, name...)
-		b = binary.BigEndian.AppendUint32(b, uint32(len(value)))
-		b = append(b, value...)
-	}
-	prop("Socket-Type", socketType)
-	if identity != "" {
-		prop("Identity", identity)
-	}
-	return b
-}
-
-// parseProps reads ZMTP metadata, keeping Socket-Type and Identity.
-func parseProps(props []byte) (socketType, identity string, err error) {
-	for len(props) > 0 {
-		nl := int(props[0])
-		if len(props) < 1+nl+4 {
-			return "", "", fmt.Errorf("property truncated")
-		}
-		name := string(props[1 : 1+nl])
-		vl := binary.BigEndian.Uint32(props[1+nl:])
-		props = props[1+nl+4:]
-		if uint64(vl) > uint64(len(props)) {
-			return "", "", fmt.Errorf("property %q truncated", name)
-		}
-		switch name {
-		case "Socket-Type":
-			socketType = string(props[:vl])
-		case "Identity":
-			identity = string(props[:vl])
-		}
-		props = props[vl:]
-	}
-	if socketType == "" {
-		return "", "", fmt.Errorf("no Socket-Type")
-	}
-	return socketType, identity, nil
-}
-
 // outerFramer splits a CURVE connection's bytes into its greeting and whole
 // frames. It holds at most one frame, of at most limit bytes; frames above
 // smallFrame are reserved from the plane's budget first.

@@ -45,19 +45,50 @@ func zmtpGreeting() []byte {
 // zmtpReady returns the READY command frame announcing socketType and, when
 // not empty, identity (the routing id a ROUTER peer addresses us by).
 func zmtpReady(socketType, identity string) []byte {
-	body := []byte{5}
-	body = append(body, "READY"...)
+	return appendFrame(nil, appendProps(append([]byte{5}, "READY"...), socketType, identity), zmtpCommand)
+}
+
+// appendProps appends ZMTP metadata: Socket-Type and, when set, Identity.
+func appendProps(b []byte, socketType, identity string) []byte {
 	prop := func(name, value string) {
-		body = append(body, byte(len(name)))
-		body = append(body, name...)
-		body = binary.BigEndian.AppendUint32(body, uint32(len(value)))
-		body = append(body, value...)
+		b = append(b, byte(len(name)))
+		b = append(b, name...)
+		b = binary.BigEndian.AppendUint32(b, uint32(len(value)))
+		b = append(b, value...)
 	}
 	prop("Socket-Type", socketType)
 	if identity != "" {
 		prop("Identity", identity)
 	}
-	return appendFrame(nil, body, zmtpCommand)
+	return b
+}
+
+// parseProps reads ZMTP metadata (READY's, or CURVE's INITIATE and READY
+// boxes), keeping Socket-Type and Identity; Socket-Type is required.
+func parseProps(props []byte) (socketType, identity string, err error) {
+	for len(props) > 0 {
+		nl := int(props[0])
+		if len(props) < 1+nl+4 {
+			return "", "", fmt.Errorf("property truncated")
+		}
+		name := string(props[1 : 1+nl])
+		vl := binary.BigEndian.Uint32(props[1+nl:])
+		props = props[1+nl+4:]
+		if uint64(vl) > uint64(len(props)) {
+			return "", "", fmt.Errorf("property %q truncated", name)
+		}
+		switch name {
+		case "Socket-Type":
+			socketType = string(props[:vl])
+		case "Identity":
+			identity = string(props[:vl])
+		}
+		props = props[vl:]
+	}
+	if socketType == "" {
+		return "", "", fmt.Errorf("no Socket-Type")
+	}
+	return socketType, identity, nil
 }
 
 // appendFrame appends one ZMTP frame holding data, with the given flag bits
@@ -319,30 +350,11 @@ func (r *zmtpReader) takeReady(cmd []byte) error {
 	if len(cmd) < 6 || cmd[0] != 5 || string(cmd[1:6]) != "READY" {
 		return fmt.Errorf("%w: first command is not READY", errProtocol)
 	}
-	props := cmd[6:]
-	for len(props) > 0 {
-		nl := int(props[0])
-		if len(props) < 1+nl+4 {
-			return fmt.Errorf("%w: READY property truncated", errProtocol)
-		}
-		name := string(props[1 : 1+nl])
-		vl := binary.BigEndian.Uint32(props[1+nl:])
-		props = props[1+nl+4:]
-		if uint64(vl) > uint64(len(props)) {
-			return fmt.Errorf("%w: READY property %q truncated", errProtocol, name)
-		}
-		value := string(props[:vl])
-		props = props[vl:]
-		switch name {
-		case "Socket-Type":
-			r.socketType = value
-		case "Identity":
-			r.identity = value
-		}
+	st, id, err := parseProps(cmd[6:])
+	if err != nil {
+		return fmt.Errorf("%w: READY: %v", errProtocol, err)
 	}
-	if r.socketType == "" {
-		return fmt.Errorf("%w: READY without Socket-Type", errProtocol)
-	}
+	r.socketType, r.identity = st, id
 	r.ready = true
 	if r.onReady != nil {
 		return r.onReady()
