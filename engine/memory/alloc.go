@@ -34,8 +34,11 @@ func Alloc(size int) (mem []byte, huge bool, err error) {
 	return mem, false, nil
 }
 
-// Free unmaps memory returned by Alloc.
+// Free unmaps memory returned by Alloc or AllocShared.
 func Free(mem []byte) error {
+	if ok, err := freeShared(mem); ok {
+		return err
+	}
 	if err := unix.Munmap(mem); err != nil {
 		return fmt.Errorf("free %d bytes at %#x: munmap: %w", len(mem), AddrOf(mem), err)
 	}

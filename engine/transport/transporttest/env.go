@@ -147,7 +147,13 @@ type buffer struct {
 // data with a pattern from seed, and registers the data in registry.
 func (e *env) alloc(registry *memory.Registry, n int, seed uint64) *buffer {
 	e.t.Helper()
-	all, _, err := memory.Alloc(n + 2*GuardLen)
+	var all []byte
+	var err error
+	if allocShared.Load() {
+		all, err = memory.AllocShared(n + 2*GuardLen)
+	} else {
+		all, _, err = memory.Alloc(n + 2*GuardLen)
+	}
 	if err != nil {
 		e.t.Fatalf("alloc %d bytes: %v", n, err)
 	}

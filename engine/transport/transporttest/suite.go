@@ -8,6 +8,7 @@
 package transporttest
 
 import (
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -36,6 +37,25 @@ const (
 
 // Run runs the suite against the endpoints f builds.
 func Run(t *testing.T, f Factory) {
+	run(t, f)
+}
+
+// allocShared makes the suite's buffers shareable memory (memfd) instead
+// of private anonymous memory; set by RunShared only, for its run.
+var allocShared atomic.Bool
+
+// RunShared runs the suite with every buffer, the owner's and the
+// initiator's, allocated as shareable memory (memory.AllocShared), as an
+// engine allocates its buffers: for transports that treat such memory
+// differently (shm). It must not run at the same time as another run of the
+// suite.
+func RunShared(t *testing.T, f Factory) {
+	allocShared.Store(true)
+	defer allocShared.Store(false)
+	run(t, f)
+}
+
+func run(t *testing.T, f Factory) {
 	before := transport.IllegalTransitions()
 	t.Cleanup(func() {
 		if n := transport.IllegalTransitions() - before; n > 0 {

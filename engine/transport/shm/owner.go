@@ -1,0 +1,389 @@
+package shm
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvferry/kvferry/engine/transport"
+)
+
+// ownerConn is the owner's side of one connection: it reads the initiator's
+// frames in order and copies each slice itself, chunk by chunk, under its
+// own guard and the initiator's lease.
+type ownerConn struct {
+	t      *Transport
+	conn   *net.UnixConn
+	peer   peerProc
+	lease  *lease
+	attach bool // cross-memory attach reaches the peer (its probe was read)
+	name   string
+
+	// Frames read and not yet handled: buf[start:end]. fds are the
+	// descriptors that came with them (SCM_RIGHTS), in order.
+	buf        [64 * FrameSize]byte
+	start, end int
+	fds        []int
+	oob        []byte
+
+	shares  map[uint64][]byte // the initiator's buffers, mapped, by share id
+	answers []byte            // ANSWERs not yet written
+}
+
+// Bounds on what one initiator can make the owner hold.
+const (
+	maxShares     = 4096 // buffers mapped per connection
+	maxPendingFDs = 16   // descriptors received and not yet claimed by a frame
+	maxHeldAnswer = 32   // ANSWERs held back while more frames are buffered
+)
+
+// ChunkSize is how many bytes the owner copies under one guard and one
+// lease: an abort, a fence, an unregistration or the initiator's stop waits
+// for at most one chunk (tens of microseconds).
+const ChunkSize = 512 << 10
+
+// serve runs one accepted connection until the peer closes or breaks the
+// protocol.
+func (t *Transport) serve(conn *net.UnixConn) {
+	c := &ownerConn{t: t, conn: conn, shares: map[uint64][]byte{}, oob: make([]byte, unix.CmsgSpace(4*maxPendingFDs))}
+	defer c.close()
+	var err error
+	if c.peer, err = peerOf(conn); err != nil {
+		t.protoErr(c, fmt.Errorf("peer credentials: %w", err))
+		return
+	}
+	if err := c.handshake(); err != nil {
+		t.protoErr(c, fmt.Errorf("handshake: %w", err))
+		return
+	}
+	var h header
+	for {
+		if err := c.next(&h, true); err != nil {
+			t.connEnded(c, err)
+			return
+		}
+		switch h.typ {
+		case frameShare:
+			err = c.share(&h)
+		case frameUnshare:
+			if m, ok := c.shares[h.local]; ok {
+				_ = unix.Munmap(m)
+				delete(c.shares, h.local)
+			}
+		case frameWrite, frameRead:
+			c.serveSlice(&h)
+			if len(c.answers) >= maxHeldAnswer*FrameSize {
+				err = c.flush()
+			}
+		default:
+			err = fmt.Errorf("%w: type %d from an initiator", errBadFrame, h.typ)
+		}
+		if err != nil {
+			t.connEnded(c, err)
+			return
+		}
+	}
+}
+
+// handshake reads HELLO (with the lease's memfd), checks who the peer is,
+// probes cross-memory attach, and answers HELLO_ACK.
+func (c *ownerConn) handshake() error {
+	t := c.t
+	_ = c.conn.SetReadDeadline(time.Now().Add(t.opts.HandshakeTimeout))
+	var h header
+	if err := c.next(&h, false); err != nil {
+		return err
+	}
+	if h.typ != frameHello {
+		return fmt.Errorf("%w: want HELLO, got type %d", errBadFrame, h.typ)
+	}
+	for c.end-c.start < int(h.length) {
+		if err := c.fill(); err != nil {
+			return err
+		}
+	}
+	c.name = string(c.buf[c.start : c.start+int(h.length)])
+	c.start += int(h.length)
+	fd, err := c.takeFD()
+	if err != nil {
+		return err
+	}
+	c.lease, err = mapLease(fd)
+	_ = unix.Close(fd)
+	if err != nil {
+		return err
+	}
+	ack := header{typ: frameHelloAck}
+	if c.peer.uid != uint32(unix.Geteuid()) {
+		// Another user's process may not have us copy its memory, nor
+		// ours into it: the kernel would refuse cross-memory attach
+		// anyway, and shared buffers from it are refused too.
+		ack.status = statusRefused
+		c.answer(&ack)
+		_ = c.flush()
+		t.stats.refusedPeers.Add(1)
+		return fmt.Errorf("peer uid %d is not ours (%d)", c.peer.uid, unix.Geteuid())
+	}
+	if err := c.peer.probeAttach(h.local, h.offset); err == nil {
+		c.attach = true
+		ack.epoch |= helloAttach
+	} else {
+		t.opts.Logger.Debug("shm: cross-memory attach does not reach the peer; its other memory goes over tcp", "peer", c.name, "err", err)
+	}
+	_ = c.conn.SetReadDeadline(time.Time{})
+	c.answer(&ack)
+	return c.flush()
+}
+
+// next returns the next frame; with flush, the answers held back are
+// written before the socket is waited on, so an initiator never waits on an
+// answer while we wait on it.
+func (c *ownerConn) next(h *header, flush bool) error {
+	for c.end-c.start < FrameSize {
+		if flush && len(c.answers) > 0 {
+			if err := c.flush(); err != nil {
+				return err
+			}
+		}
+		if err := c.fill(); err != nil {
+			return err
+		}
+	}
+	if err := h.decode(c.buf[c.start : c.start+FrameSize]); err != nil {
+		return err
+	}
+	c.start += FrameSize
+	return nil
+}
+
+// fill reads more bytes, and the descriptors that come with them.
+func (c *ownerConn) fill() error {
+	if c.start > 0 {
+		c.end = copy(c.buf[:], c.buf[c.start:c.end])
+		c.start = 0
+	}
+	if c.end == len(c.buf) {
+		return fmt.Errorf("%w: a frame longer than the read buffer", errBadFrame)
+	}
+	n, oobn, _, _, err := c.conn.ReadMsgUnix(c.buf[c.end:], c.oob)
+	if oobn > 0 {
+		if ferr := c.takeRights(c.oob[:oobn]); ferr != nil {
+			return ferr
+		}
+	}
+	if n > 0 {
+		c.end += n
+		return nil
+	}
+	if err == nil {
+		err = net.ErrClosed
+	}
+	return err
+}
+
+// takeRights queues the descriptors of a control message; more than the
+// frames can claim breaks the protocol (they are closed with the
+// connection).
+func (c *ownerConn) takeRights(oob []byte) error {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return fmt.Errorf("%w: control message: %v", errBadFrame, err)
+	}
+	for _, m := range msgs {
+		fds, err := unix.ParseUnixRights(&m)
+		if err != nil {
+			continue // credentials or the like: nothing to keep
+		}
+		c.fds = append(c.fds, fds...)
+	}
+	if len(c.fds) > maxPendingFDs {
+		return fmt.Errorf("%w: %d descriptors sent ahead of their frames", errBadFrame, len(c.fds))
+	}
+	return nil
+}
+
+// takeFD hands over the oldest descriptor received.
+func (c *ownerConn) takeFD() (int, error) {
+	if len(c.fds) == 0 {
+		return -1, fmt.Errorf("%w: a frame that needs a descriptor came without one", errBadFrame)
+	}
+	fd := c.fds[0]
+	c.fds = c.fds[1:]
+	return fd, nil
+}
+
+// share maps a buffer the initiator shared.
+func (c *ownerConn) share(h *header) error {
+	fd, err := c.takeFD()
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	if _, ok := c.shares[h.local]; ok {
+		return fmt.Errorf("%w: share %d sent twice", errBadFrame, h.local)
+	}
+	if len(c.shares) >= maxShares {
+		return fmt.Errorf("%w: more than %d buffers shared", errBadFrame, maxShares)
+	}
+	if h.offset > 1<<46 {
+		return fmt.Errorf("%w: share of %d bytes", errBadFrame, h.offset)
+	}
+	if err := checkSealed(fd, h.offset); err != nil {
+		return fmt.Errorf("%w: share %d: %v", errBadFrame, h.local, err)
+	}
+	m, err := unix.Mmap(fd, 0, int(h.offset), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
+	if err != nil {
+		return fmt.Errorf("share %d: mmap %d bytes: %w", h.local, h.offset, err)
+	}
+	c.shares[h.local] = m
+	return nil
+}
+
+// serveSlice admits one slice and copies it, then queues its ANSWER.
+func (c *ownerConn) serveSlice(h *header) {
+	t := c.t
+	ans := header{typ: frameAnswer, seq: h.seq, requestID: h.requestID, generation: h.generation}
+	a := transport.Access{
+		Initiator: c.name, RequestID: h.requestID, Generation: h.generation, GrantID: h.grantID,
+		Epoch: h.epoch, Key: h.key, Addr: h.addr, Length: uint64(h.length), Op: transport.Write,
+	}
+	if h.typ == frameRead {
+		a.Op = transport.Read
+	}
+	// The initiator's side first: a slice naming memory we cannot reach is
+	// refused before it is admitted.
+	var view []byte
+	switch h.status {
+	case reachShared:
+		m := c.shares[h.local]
+		if m == nil || h.offset > uint64(len(m)) || uint64(h.length) > uint64(len(m))-h.offset {
+			c.refuse(&ans, fmt.Errorf("%w: share %d [%d, +%d)", errUnreachable, h.local, h.offset, h.length))
+			return
+		}
+		view = m[h.offset : h.offset+uint64(h.length)]
+	case reachAttach:
+		if !c.attach || c.peer.gone() {
+			c.refuse(&ans, fmt.Errorf("%w: cross-memory attach", errUnreachable))
+			return
+		}
+	}
+	tgt, err := t.owner.Admit(a)
+	if err != nil {
+		c.refuse(&ans, err)
+		return
+	}
+	if tgt.Stage != nil {
+		defer tgt.Stage.Release()
+	}
+	if t.opts.ApplyDelay > 0 {
+		time.Sleep(t.opts.ApplyDelay)
+	}
+	moved, refusal := c.copySlice(a.Op, tgt, view, h.local)
+	if a.Op == transport.Write {
+		t.stats.bytesIn.Add(uint64(moved))
+	} else {
+		t.stats.bytesOut.Add(uint64(moved))
+	}
+	ans.epoch = uint64(moved)
+	if refusal != nil {
+		ans.status = statusOf(refusal)
+		t.stats.refused.Add(1)
+		if moved > 0 {
+			t.stats.refusedInFlight.Add(1)
+		}
+	}
+	c.answer(&ans)
+}
+
+// errRevoked: the initiator revoked its lease (it stopped the path).
+var errRevoked = errors.New("the initiator revoked its lease")
+
+// copySlice moves a slice's bytes chunk by chunk, each under the owner's
+// guard and the initiator's lease, and returns the bytes moved into their
+// destination and the refusal that stopped it. GPU memory goes through the
+// target's staging buffer, as on tcp: a WRITE reaches it only whole.
+func (c *ownerConn) copySlice(op transport.Op, tgt transport.Target, view []byte, remote uint64) (int, error) {
+	if op == transport.Read && tgt.Stage != nil {
+		if err := transport.StageCopy(tgt.Guard, tgt.Stage.Fill); err != nil {
+			return 0, err
+		}
+	}
+	moved := 0
+	for moved < len(tgt.Mem) {
+		n := min(ChunkSize, len(tgt.Mem)-moved)
+		if err := tgt.Guard.Enter(); err != nil {
+			return moved, err
+		}
+		if !c.lease.enter() {
+			tgt.Guard.Leave()
+			return moved, fmt.Errorf("%w: %w", errUnreachable, errRevoked)
+		}
+		var k int
+		var err error
+		own := tgt.Mem[moved : moved+n]
+		switch {
+		case view != nil && op == transport.Write:
+			k = copy(own, view[moved:moved+n])
+		case view != nil:
+			k = copy(view[moved:moved+n], own)
+		default:
+			k, err = c.peer.attach(op == transport.Write, own, remote+uint64(moved))
+		}
+		c.lease.leave()
+		tgt.Guard.Leave()
+		moved += k
+		if err != nil {
+			return moved, fmt.Errorf("%w: %w", errUnreachable, err)
+		}
+	}
+	if op == transport.Write && tgt.Stage != nil {
+		if err := transport.StageCopy(tgt.Guard, tgt.Stage.Flush); err != nil {
+			return 0, err
+		}
+	}
+	return moved, nil
+}
+
+func (c *ownerConn) refuse(ans *header, err error) {
+	ans.status = statusOf(err)
+	c.t.stats.refused.Add(1)
+	c.answer(ans)
+}
+
+func (c *ownerConn) answer(h *header) {
+	var b [FrameSize]byte
+	h.encode(b[:])
+	c.answers = append(c.answers, b[:]...)
+}
+
+// flush writes the answers held back, bounded by the I/O timeout.
+func (c *ownerConn) flush() error {
+	if len(c.answers) == 0 {
+		return nil
+	}
+	_ = c.conn.SetWriteDeadline(time.Now().Add(c.t.opts.IOTimeout))
+	_, err := c.conn.Write(c.answers)
+	c.answers = c.answers[:0]
+	return err
+}
+
+// close releases everything the connection holds: the shared buffers'
+// views, the lease, descriptors never claimed, the pidfd.
+func (c *ownerConn) close() {
+	_ = c.conn.Close()
+	for id, m := range c.shares {
+		_ = unix.Munmap(m)
+		delete(c.shares, id)
+	}
+	if c.lease != nil {
+		c.lease.unmap()
+	}
+	for _, fd := range c.fds {
+		_ = unix.Close(fd)
+	}
+	c.fds = nil
+	c.peer.close()
+}

@@ -1,0 +1,382 @@
+// Package shm is kvferry's same-host transport: an initiator and an owner
+// on one host talk over a unix socket, and the owner copies every byte
+// itself, straight between its memory and the initiator's.
+//
+// The owner reaches the initiator's memory in one of two ways, chosen per
+// slice by the initiator:
+//   - a view of a buffer the engine allocated as shareable memory (a
+//     sealed memfd, memory.AllocShared), whose descriptor the initiator
+//     sends once per connection: a plain memcpy;
+//   - cross-memory attach (process_vm_readv/writev) for other memory,
+//     where the kernel allows it (same user, Yama's ptrace_scope), which
+//     the owner checks at the handshake by reading a probe the initiator
+//     announced.
+//
+// Slices neither way reaches go to the tcp path given to DialVia.
+//
+// Because the owner's own code copies every byte, chunk by chunk under the
+// guard it takes for any access, its refusal of an aborted or fenced
+// request is a fence on its own (transport.OwnerCopier), exactly as on
+// tcp: a paused or killed initiator cannot put a byte into the owner's
+// memory after Abort or Fence returned Safe, and no mapping of the owner's
+// memory is ever given to a peer. The initiator keeps charge of its own
+// memory with a lease (see lease.go): stopping a path revokes it and waits
+// for the owner's chunk in progress.
+package shm
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvferry/kvferry/engine/memory"
+	"github.com/kvferry/kvferry/engine/transport"
+	"github.com/kvferry/kvferry/internal/defaults"
+	"github.com/kvferry/kvferry/internal/ratelog"
+)
+
+// Options configure a same-host transport. Zero fields take the defaults.
+type Options struct {
+	// HandshakeTimeout bounds the HELLO exchange. Default 5 s.
+	HandshakeTimeout time.Duration
+	// IOTimeout bounds one socket write (frames are small: a peer that
+	// stops reading is cut by it). Default 30 s.
+	IOTimeout time.Duration
+	// MaxConns caps the connections accepted and open at once. Default 1024.
+	MaxConns int
+	// StopBound bounds how long stopping a path waits for the owner's chunk
+	// in progress in our memory (one chunk: microseconds, unless the owner
+	// was stopped in the middle of one). Default 2 s.
+	StopBound time.Duration
+	// Logger receives connection-level events. Default slog.Default().
+	Logger *slog.Logger
+	// ApplyDelay is for tests only: the owner sleeps this long after
+	// admitting each slice and before copying it.
+	ApplyDelay time.Duration
+	// NoAttach is for tests only: the initiator announces no probe, so the
+	// owner never uses cross-memory attach with it.
+	NoAttach bool
+}
+
+func (o *Options) fill() {
+	defaults.Fill(&o.HandshakeTimeout, 5*time.Second)
+	defaults.Fill(&o.IOTimeout, 30*time.Second)
+	defaults.Fill(&o.MaxConns, 1024)
+	defaults.Fill(&o.StopBound, 2*time.Second)
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+}
+
+// Stats are the transport's counters.
+type Stats struct {
+	BytesIn          uint64 // bytes written into owner memory by peers
+	BytesOut         uint64 // bytes read from owner memory by peers
+	Refused          uint64 // accesses refused by the owner
+	RefusedInFlight  uint64 // refusals that struck after some bytes had moved
+	ProtocolErrors   uint64 // connections dropped for a malformed frame
+	RefusedPeers     uint64 // connections refused: another user, or over MaxConns
+	Conns            int64  // accepted connections open now
+	SharedSlices     uint64 // our slices the owner copied through a shared buffer's view
+	AttachSlices     uint64 // our slices the owner copied by cross-memory attach
+	FallbackSlices   uint64 // our slices sent over tcp: neither way reached their memory
+	StopsUnconfirmed uint64 // our paths stopped without the owner confirming it left our memory
+}
+
+type counters struct {
+	bytesIn, bytesOut, refused, refusedInFlight, protocolErrors, refusedPeers atomic.Uint64
+	shared, attach, fallback, unconfirmed                                     atomic.Uint64
+	conns                                                                     atomic.Int64
+}
+
+// Transport is the same-host transport. It is safe for concurrent use.
+type Transport struct {
+	opts   Options
+	owner  transport.Owner
+	ln     *net.UnixListener
+	bootID string
+	wg     sync.WaitGroup
+	stats  counters
+	warn   *ratelog.Limiter
+
+	mu        sync.Mutex
+	closing   bool
+	conns     map[*net.UnixConn]struct{}
+	endpoints map[*endpoint]struct{}
+	unhook    func()
+}
+
+// New returns a same-host transport. It fails where the host cannot tell
+// its boot id (not Linux).
+func New(opts Options) (*Transport, error) {
+	opts.fill()
+	id, err := BootID()
+	if err != nil {
+		return nil, fmt.Errorf("shm: %w", err)
+	}
+	t := &Transport{opts: opts, bootID: id, warn: ratelog.New(opts.Logger),
+		conns: map[*net.UnixConn]struct{}{}, endpoints: map[*endpoint]struct{}{}}
+	t.unhook = memory.OnSharedFree(t.sharedFreed)
+	return t, nil
+}
+
+// Name returns "shm".
+func (t *Transport) Name() string { return "shm" }
+
+// OwnerCopies reports true: the owner's own code copies every byte, so its
+// refusal is a fence (transport.OwnerCopier).
+func (t *Transport) OwnerCopies() bool { return true }
+
+// BootID is the boot id of this host, the first part of our address.
+func (t *Transport) BootID() string { return t.bootID }
+
+// Listen starts serving peers on an abstract unix socket and returns the
+// address peers dial: "bootid@name". Only processes on this host (same
+// boot id) and in this network namespace can reach it.
+func (t *Transport) Listen(owner transport.Owner) (string, error) {
+	if t.ln != nil {
+		return "", errors.New("shm: already listening")
+	}
+	var r [8]byte
+	_, _ = rand.Read(r[:])
+	name := "@kvferry-shm-" + hex.EncodeToString(r[:])
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: name, Net: "unix"})
+	if err != nil {
+		return "", fmt.Errorf("shm: listen on %s: %w", name, err)
+	}
+	t.owner = owner
+	t.ln = ln
+	t.wg.Add(1)
+	go t.accept()
+	return t.bootID + name, nil
+}
+
+// SameHost reports whether addr, a peer's shm address, names this host.
+func (t *Transport) SameHost(addr string) bool {
+	boot, _, err := splitAddr(addr)
+	return err == nil && boot == t.bootID
+}
+
+// splitAddr parses "bootid@name".
+func splitAddr(addr string) (boot, name string, err error) {
+	i := strings.IndexByte(addr, '@')
+	if i <= 0 || i == len(addr)-1 || len(addr) > 256 {
+		return "", "", fmt.Errorf("shm: address %q: want bootid@name", addr)
+	}
+	return addr[:i], addr[i:], nil
+}
+
+func (t *Transport) accept() {
+	defer t.wg.Done()
+	for {
+		c, err := t.ln.AcceptUnix()
+		if err != nil {
+			t.mu.Lock()
+			closing := t.closing
+			t.mu.Unlock()
+			if closing || errors.Is(err, net.ErrClosed) {
+				return
+			}
+			t.opts.Logger.Warn("shm: accept failed", "err", err)
+			time.Sleep(10 * time.Millisecond)
+			continue
+		}
+		t.mu.Lock()
+		if t.closing || len(t.conns) >= t.opts.MaxConns {
+			closing := t.closing
+			t.mu.Unlock()
+			_ = c.Close()
+			if !closing {
+				t.stats.refusedPeers.Add(1)
+				t.warn.Warn("conn-cap", "shm: refusing a connection: too many open", "max_conns", t.opts.MaxConns)
+			}
+			continue
+		}
+		t.conns[c] = struct{}{}
+		t.stats.conns.Add(1)
+		t.wg.Add(1)
+		t.mu.Unlock()
+		go func() {
+			defer t.wg.Done()
+			t.serve(c)
+			t.mu.Lock()
+			delete(t.conns, c)
+			t.mu.Unlock()
+			t.stats.conns.Add(-1)
+		}()
+	}
+}
+
+// protoErr logs (rate-limited) and counts a connection that broke the
+// protocol; it is then closed.
+func (t *Transport) protoErr(c *ownerConn, err error) {
+	t.mu.Lock()
+	closing := t.closing
+	t.mu.Unlock()
+	if closing || errors.Is(err, net.ErrClosed) {
+		return
+	}
+	t.stats.protocolErrors.Add(1)
+	t.warn.Warn("protocol", "shm: dropping connection", "peer", c.name, "pid", c.peer.pid, "err", err)
+}
+
+// connEnded reports why an owner-side connection ended.
+func (t *Transport) connEnded(c *ownerConn, err error) {
+	if errors.Is(err, errBadFrame) {
+		t.protoErr(c, err)
+		return
+	}
+	t.opts.Logger.Debug("shm: owner connection ended", "peer", c.name, "err", err)
+}
+
+// Dial opens one path to a peer's shm address. Slices whose memory the
+// owner cannot reach fail; DialVia gives them a tcp path instead.
+func (t *Transport) Dial(ctx context.Context, addr, self string) (transport.Endpoint, error) {
+	return t.DialVia(ctx, addr, self, nil)
+}
+
+// FallbackDialer opens the tcp path a same-host path sends the slices the
+// owner cannot reach by itself (memory neither shared nor reachable by
+// cross-memory attach).
+type FallbackDialer func(ctx context.Context) (transport.Endpoint, error)
+
+// DialVia opens one path to a peer's shm address, with fallback for the
+// slices the owner cannot reach (nil: they fail).
+func (t *Transport) DialVia(ctx context.Context, addr, self string, fallback FallbackDialer) (transport.Endpoint, error) {
+	boot, name, err := splitAddr(addr)
+	if err != nil {
+		return nil, err
+	}
+	if boot != t.bootID {
+		return nil, fmt.Errorf("shm: dial %s: %w: another host (boot id %s, ours %s)", addr, transport.ErrConnection, boot, t.bootID)
+	}
+	if len(self) == 0 || len(self) > maxName {
+		return nil, fmt.Errorf("shm: dial %s: our name %q must be 1 to %d bytes", addr, self, maxName)
+	}
+	t.mu.Lock()
+	closing := t.closing
+	t.mu.Unlock()
+	if closing {
+		return nil, transport.ErrClosed
+	}
+	deadline := time.Now().Add(t.opts.HandshakeTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	d := net.Dialer{Deadline: deadline}
+	nc, err := d.DialContext(ctx, "unix", name)
+	if err != nil {
+		return nil, fmt.Errorf("shm: dial %s: %w: %w", addr, transport.ErrConnection, err)
+	}
+	conn := nc.(*net.UnixConn)
+	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Unix(1, 0)) })
+	ep, err := newEndpoint(t, conn, self, deadline, fallback)
+	if !stop() && err == nil {
+		err = ctx.Err()
+		ep.Abort(err)
+	}
+	if err != nil {
+		_ = conn.Close()
+		return nil, fmt.Errorf("shm: handshake with %s: %w: %w", addr, transport.ErrConnection, err)
+	}
+	t.mu.Lock()
+	if t.closing {
+		t.mu.Unlock()
+		ep.Abort(transport.ErrClosed)
+		return nil, transport.ErrClosed
+	}
+	t.endpoints[ep] = struct{}{}
+	t.mu.Unlock()
+	return ep, nil
+}
+
+func (t *Transport) forget(ep *endpoint) {
+	t.mu.Lock()
+	delete(t.endpoints, ep)
+	t.mu.Unlock()
+}
+
+func (t *Transport) liveEndpoints() []*endpoint {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	eps := make([]*endpoint, 0, len(t.endpoints))
+	for ep := range t.endpoints {
+		eps = append(eps, ep)
+	}
+	return eps
+}
+
+// sharedFreed tells every path that shared a freed buffer to have its
+// owner unmap it.
+func (t *Transport) sharedFreed(id uint64) {
+	for _, ep := range t.liveEndpoints() {
+		ep.unshare(id)
+	}
+}
+
+// Registered implements memory.Watcher; nothing to do.
+func (t *Transport) Registered([]*memory.Region) error { return nil }
+
+// Unregistered implements memory.Watcher: owners may be copying into or out
+// of the regions for our slices in flight, so each path with such slices is
+// stopped, which returns once its owner left our memory.
+func (t *Transport) Unregistered(regs []*memory.Region) {
+	var wg sync.WaitGroup
+	for _, ep := range t.liveEndpoints() {
+		if ep.touches(regs) {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				ep.Abort(fmt.Errorf("%w: local memory unregistered", transport.ErrCanceled))
+			}()
+		}
+	}
+	wg.Wait()
+}
+
+// Close stops listening, cuts every connection, fails outstanding slices,
+// and returns once no goroutine of the transport runs.
+func (t *Transport) Close() error {
+	t.mu.Lock()
+	if t.closing {
+		t.mu.Unlock()
+		return nil
+	}
+	t.closing = true
+	conns := t.conns
+	t.conns = map[*net.UnixConn]struct{}{}
+	eps := t.endpoints
+	t.endpoints = map[*endpoint]struct{}{}
+	t.mu.Unlock()
+	if t.ln != nil {
+		_ = t.ln.Close()
+	}
+	for c := range conns {
+		_ = c.Close()
+	}
+	for ep := range eps {
+		ep.Abort(transport.ErrClosed)
+	}
+	t.wg.Wait()
+	t.unhook()
+	return nil
+}
+
+// Stats returns a snapshot of the counters.
+func (t *Transport) Stats() Stats {
+	return Stats{
+		BytesIn: t.stats.bytesIn.Load(), BytesOut: t.stats.bytesOut.Load(),
+		Refused: t.stats.refused.Load(), RefusedInFlight: t.stats.refusedInFlight.Load(),
+		ProtocolErrors: t.stats.protocolErrors.Load(), RefusedPeers: t.stats.refusedPeers.Load(),
+		Conns: t.stats.conns.Load(), SharedSlices: t.stats.shared.Load(), AttachSlices: t.stats.attach.Load(),
+		FallbackSlices: t.stats.fallback.Load(), StopsUnconfirmed: t.stats.unconfirmed.Load(),
+	}
+}
