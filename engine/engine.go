@@ -36,6 +36,7 @@ import (
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/engine/transport/local"
 	"github.com/kvferry/kvferry/engine/transport/rdma"
+	"github.com/kvferry/kvferry/engine/transport/shm"
 	"github.com/kvferry/kvferry/engine/transport/tcp"
 	"github.com/kvferry/kvferry/internal/ratelog"
 )
@@ -65,6 +66,7 @@ type Engine struct {
 	tcp    *tcp.Transport
 	local  *local.Transport
 	rdma   *rdma.Transport // nil without RDMA devices or with Protocol "tcp"
+	shm    *shm.Transport  // nil with Protocol "tcp" or "rdma", or with authentication
 	// transports are the abilities of tcp, local and rdma (when up), found
 	// once by abilitiesOf: every behaviour check goes through them, the
 	// concrete fields above only set the transports up, dial and count.
@@ -233,8 +235,17 @@ func New(opts Options) (*Engine, error) {
 		Name: plane.Name(), Version: control.ProtocolVersion,
 		Transports: []control.TransportAddr{{Name: "tcp", Addr: hosts.dataAddr(tcpAddr)}},
 	}
+	if err := e.startSHM(); err != nil {
+		e.cancel()
+		_ = e.tcp.Close()
+		_ = plane.Close()
+		return nil, fmt.Errorf("kvferry: %w", err)
+	}
 	if err := e.startRDMA(); err != nil {
 		e.cancel()
+		if e.shm != nil {
+			_ = e.shm.Close()
+		}
 		_ = e.tcp.Close()
 		_ = plane.Close()
 		return nil, fmt.Errorf("kvferry: %w", err)
@@ -337,7 +348,11 @@ func (e *Engine) Close() error {
 	}
 	e.retrying.Wait()
 	var errs []error
-	errs = append(errs, e.local.Close(), e.tcp.Close())
+	errs = append(errs, e.local.Close())
+	if e.shm != nil {
+		errs = append(errs, e.shm.Close())
+	}
+	errs = append(errs, e.tcp.Close())
 	if e.rdma != nil {
 		errs = append(errs, e.rdma.Close())
 	}

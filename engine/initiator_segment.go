@@ -78,7 +78,8 @@ type Segment struct {
 	paths   []*pathRef      // PathsPerPeer entries, nil until dialed
 	dialing []chan struct{} // per slot: closed when the dial under way ends
 	addr    string          // data-plane address
-	proto   string          // "tcp" or "rdma", chosen at each descriptor fetch
+	shmAddr string          // the peer's shm address, when it offers one
+	proto   string          // "tcp", "rdma" or "shm", chosen at each descriptor fetch
 	closed  error           // set by shutdown
 	next    atomic.Uint32
 
@@ -239,8 +240,10 @@ func (s *Segment) refresh(ctx context.Context) error {
 	if !ok {
 		return fmt.Errorf("%w: segment offers no tcp transport", ErrUnsupported)
 	}
+	shmAddr, _ := d.Transport("shm")
 	s.mu.Lock()
 	s.proto = proto
+	s.shmAddr = shmAddr
 	if s.addr != "" && s.addr != addr {
 		// The peer restarted under the same name: old paths lead nowhere.
 		for i, p := range s.paths {
@@ -354,13 +357,23 @@ func (s *Segment) dial(ctx context.Context, addr string) (*pathRef, error) {
 	var p transport.Endpoint
 	var err error
 	s.mu.Lock()
-	proto := s.proto
+	proto, shmAddr := s.proto, s.shmAddr
 	s.mu.Unlock()
 	switch {
 	case s.self:
 		p, err = s.e.local.Dial(ctx, "", s.e.Name())
 	case proto == "rdma":
 		p, err = s.e.rdma.Dial(ctx, s.name, s.e.Name())
+	case proto == "shm":
+		// Slices in memory the owner cannot reach (neither shared nor
+		// open to cross-memory attach) take a tcp path of their own.
+		p, err = s.e.shm.DialVia(ctx, shmAddr, s.e.Name(), func(ctx context.Context) (transport.Endpoint, error) {
+			return s.e.tcp.Dial(ctx, addr, s.e.Name())
+		})
+		if err != nil && s.e.opts.Protocol == "auto" {
+			s.e.peerWarn("shm-dial", s.name, "kvferry: shm path failed; using tcp", "segment", s.name, "err", err)
+			p, err = s.e.tcp.Dial(ctx, addr, s.e.Name())
+		}
 	default:
 		p, err = s.e.tcp.Dial(ctx, addr, s.e.Name())
 	}

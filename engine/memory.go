@@ -118,13 +118,20 @@ func (e *Engine) UnregisterMemoryBatch(addrs []uint64) error {
 	return nil
 }
 
-// AllocBuffer maps size bytes outside Go's heap (huge pages when size is a
-// multiple of 2 MiB and the system has them) and registers them. Free it with
-// FreeBuffer.
+// AllocBuffer maps size bytes of shareable memory (a sealed memfd) outside
+// Go's heap and registers them: a peer on this host then copies into and
+// out of them through a view of their pages (the shm transport). Free it
+// with FreeBuffer.
 func (e *Engine) AllocBuffer(size int, location string) ([]byte, error) {
-	mem, _, err := memory.Alloc(size)
+	// Shareable memory (a memfd), so that a peer on this host can copy
+	// straight into and out of it (the shm transport); private memory
+	// where memfds are not available.
+	mem, err := memory.AllocShared(size)
 	if err != nil {
-		return nil, fmt.Errorf("alloc buffer: %w", err)
+		e.log.Debug("kvferry: shareable memory not available; allocating private memory", "err", err)
+		if mem, _, err = memory.Alloc(size); err != nil {
+			return nil, fmt.Errorf("alloc buffer: %w", err)
+		}
 	}
 	if _, err := e.RegisterMemory(mem, location); err != nil {
 		_ = memory.Free(mem)

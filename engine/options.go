@@ -23,7 +23,7 @@ import (
 //	SecretKeyFile      KVFERRY_SECRET_KEY_FILE      "" (no authentication)
 //	AllowlistFile      KVFERRY_ALLOWLIST_FILE       ""
 //	ClusterSecretFile  KVFERRY_CLUSTER_SECRET_FILE  "" (instead of the two above)
-//	Protocol           KVFERRY_PROTOCOL             auto (rdma when both ends have it, else tcp)
+//	Protocol           KVFERRY_PROTOCOL             auto (shm with a peer on this host, rdma when both ends have it, else tcp)
 //	RDMALibrary        KVFERRY_IBVERBS_LIBRARY      libibverbs.so.1
 //	RDMADevices        KVFERRY_RDMA_DEVICES         "" (every active port)
 //	RDMANoFence        KVFERRY_RDMA_FENCE=0         false (the owner-side QP fence is on)
@@ -87,10 +87,13 @@ type Options struct {
 	// AllowlistFile.
 	ClusterSecretFile string
 	// Protocol is the data-plane transport for remote segments: "auto"
-	// uses rdma with peers that offer it when this engine has an RDMA
-	// device, tcp otherwise (the choice is logged once per peer); "tcp"
-	// never opens RDMA devices; "rdma" makes New fail without one and
-	// refuses peers that lack it.
+	// uses shm with peers on this host (same boot id, reachable on an
+	// abstract unix socket), rdma with other peers that offer it when this
+	// engine has an RDMA device, tcp otherwise (the choice is logged once
+	// per peer); "tcp" uses neither shm nor RDMA; "rdma" makes New fail
+	// without an RDMA device and refuses peers that lack it; "shm" refuses
+	// peers that are not on this host. shm is off with authentication (a
+	// peer on this host is then taken over authenticated tcp).
 	Protocol string
 	// RDMALibrary is the libibverbs file loaded at run time.
 	RDMALibrary string
@@ -359,8 +362,8 @@ func (o *Options) fill() error {
 	if o.Protocol == "" {
 		o.Protocol = "auto"
 	}
-	if o.Protocol != "tcp" && o.Protocol != "rdma" && o.Protocol != "auto" {
-		return fmt.Errorf("protocol %q: %w (want auto, tcp or rdma)", o.Protocol, ErrUnsupported)
+	if o.Protocol != "tcp" && o.Protocol != "rdma" && o.Protocol != "shm" && o.Protocol != "auto" {
+		return fmt.Errorf("protocol %q: %w (want auto, tcp, rdma or shm)", o.Protocol, ErrUnsupported)
 	}
 	if o.Port < 0 || o.Port > 65535 {
 		return fmt.Errorf("port %d out of range", o.Port)

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"github.com/kvferry/kvferry/engine/transport/rdma"
+	"github.com/kvferry/kvferry/engine/transport/shm"
 )
 
 // Stats is a snapshot of an engine's counters.
@@ -42,6 +43,15 @@ type Stats struct {
 	AcceptErrors  uint64 // failed accepts on the data port (out of file descriptors...); the loop backs off and goes on
 	// TCP paths, as initiator.
 	PathsIdledOut uint64 // our paths an owner closed as idle; their slices it had not read were posted again
+
+	// Same-host (shm) transport. Its owner-side bytes, refusals and
+	// protocol errors count in OwnerBytesIn, OwnerBytesOut, OwnerRefused,
+	// RefusedInFlight and ProtocolErrors with tcp's.
+	SHMConns            int64  // accepted shm connections open now
+	SHMSharedSlices     uint64 // our slices an owner copied through a view of a shared buffer
+	SHMAttachSlices     uint64 // our slices an owner copied by cross-memory attach
+	SHMFallbackSlices   uint64 // our slices to a same-host owner sent over tcp: it could reach their memory neither way
+	SHMStopsUnconfirmed uint64 // our shm paths stopped without the owner confirming it left our memory (logged as errors)
 
 	// Aborts, as owner.
 	AbortsSafe      uint64 // Abort calls that reported Safe
@@ -111,6 +121,10 @@ type Stats struct {
 // Stats returns a snapshot of the counters.
 func (e *Engine) Stats() Stats {
 	t := e.tcp.Stats()
+	var sh shm.Stats
+	if e.shm != nil {
+		sh = e.shm.Stats()
+	}
 	c := e.plane.Stats()
 	e.segMu.Lock()
 	nseg := len(e.segments)
@@ -150,8 +164,11 @@ func (e *Engine) Stats() Stats {
 		BytesWritten: e.stats.bytesWritten.Load(), BytesRead: e.stats.bytesRead.Load(),
 		TasksCompleted: e.stats.tasksCompleted.Load(), TasksFailed: e.stats.tasksFailed.Load(),
 		TasksCanceled: e.stats.tasksCanceled.Load(), TasksInFlight: e.stats.tasksInFlight.Load(),
-		Retries: e.stats.retries.Load(), OwnerBytesIn: t.BytesIn, OwnerBytesOut: t.BytesOut,
-		OwnerRefused: t.Refused, RefusedInFlight: t.RefusedInFlight, ProtocolErrors: t.ProtocolErrors,
+		Retries: e.stats.retries.Load(), OwnerBytesIn: t.BytesIn + sh.BytesIn, OwnerBytesOut: t.BytesOut + sh.BytesOut,
+		OwnerRefused: t.Refused + sh.Refused, RefusedInFlight: t.RefusedInFlight + sh.RefusedInFlight,
+		ProtocolErrors: t.ProtocolErrors + sh.ProtocolErrors,
+		SHMConns:       sh.Conns, SHMSharedSlices: sh.SharedSlices, SHMAttachSlices: sh.AttachSlices,
+		SHMFallbackSlices: sh.FallbackSlices, SHMStopsUnconfirmed: sh.StopsUnconfirmed,
 		DataConns: t.Conns, ConnsRefused: t.RefusedPerPeer + t.RefusedTotal, IdleClosed: t.IdleClosed,
 		FrameTimeouts: t.FrameTimeouts, PathsIdledOut: t.GoAways, AcceptErrors: t.AcceptErrors,
 		ControlDropped: c.Malformed + e.stats.controlDropped.Load(), ControlLate: c.Unmatched, Registrations: e.reg.Len(), OpenSegments: nseg,

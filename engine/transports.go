@@ -8,6 +8,7 @@ import (
 	"github.com/kvferry/kvferry/engine/internal/bounded"
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/engine/transport/rdma"
+	"github.com/kvferry/kvferry/engine/transport/shm"
 )
 
 // The abilities the engine relies on, beyond transport.Transport, that the
@@ -86,6 +87,9 @@ func (e *Engine) servers() []abilities { return e.transports }
 // calls it once they are up.
 func (e *Engine) findTransports() {
 	e.transports = []abilities{abilitiesOf(e.tcp), abilitiesOf(e.local)}
+	if e.shm != nil {
+		e.transports = append(e.transports, abilitiesOf(e.shm))
+	}
 	if e.rdma != nil {
 		e.transports = append(e.transports, abilitiesOf(e.rdma))
 	}
@@ -94,7 +98,7 @@ func (e *Engine) findTransports() {
 // startRDMA opens the RDMA transport unless the protocol is tcp. With
 // "auto" an engine without RDMA goes on with tcp; with "rdma" it fails.
 func (e *Engine) startRDMA() error {
-	if e.opts.Protocol == "tcp" {
+	if e.opts.Protocol == "tcp" || e.opts.Protocol == "shm" {
 		return nil
 	}
 	t, err := rdma.New(rdma.Options{
@@ -118,6 +122,41 @@ func (e *Engine) startRDMA() error {
 	e.reg.Watch(t)
 	e.desc.Transports = append(e.desc.Transports, control.TransportAddr{Name: "rdma", Addr: t.DescriptorAddr()})
 	e.log.Info("kvferry: rdma transport up", "nics", t.NICNames())
+	return nil
+}
+
+// startSHM opens the same-host transport unless the protocol is tcp or
+// rdma, or authentication is on: its peers are the processes of our user
+// on this host, which the kernel names, not the keys of the allowlist, so
+// an engine that authenticates takes them over tcp. With "shm" forced, a
+// failure fails New; with "auto" the engine goes on without it.
+func (e *Engine) startSHM() error {
+	if e.opts.Protocol == "tcp" || e.opts.Protocol == "rdma" {
+		return nil
+	}
+	if e.auth != nil {
+		if e.opts.Protocol == "shm" {
+			return fmt.Errorf("protocol shm: %w: the same-host transport does not authenticate by key; turn authentication off or use tcp", ErrUnsupported)
+		}
+		e.log.Debug("kvferry: shm not used: authentication is on, peers on this host go over tcp")
+		return nil
+	}
+	t, err := shm.New(shm.Options{IOTimeout: e.opts.IOTimeout, Logger: e.log, ApplyDelay: e.opts.Testing.ApplyDelay})
+	if err == nil {
+		var addr string
+		if addr, err = t.Listen(e); err == nil {
+			e.shm = t
+			e.reg.Watch(t)
+			e.desc.Transports = append(e.desc.Transports, control.TransportAddr{Name: "shm", Addr: addr})
+			e.log.Debug("kvferry: shm transport up", "addr", addr, "attach", shm.AttachPolicy())
+			return nil
+		}
+		_ = t.Close()
+	}
+	if e.opts.Protocol == "shm" {
+		return fmt.Errorf("protocol shm: %w: %w", ErrUnsupported, err)
+	}
+	e.log.Debug("kvferry: shm not used", "err", err)
 	return nil
 }
 
@@ -158,9 +197,16 @@ func newProtoSaid() *bounded.Set[string, string] {
 // logs the choice once per peer.
 func (e *Engine) chooseTransport(peer string, d *control.Descriptor) (string, error) {
 	_, peerRDMA := d.Transport("rdma")
+	shmAddr, peerSHM := d.Transport("shm")
+	sameHost := e.shm != nil && peerSHM && e.shm.SameHost(shmAddr)
 	proto := "tcp"
 	why := "forced by the protocol option"
 	switch e.opts.Protocol {
+	case "shm":
+		if !sameHost {
+			return "", fmt.Errorf("%w: segment %s is not reachable by shm: not on this host, or it offers no shm (protocol shm is forced)", ErrUnsupported, peer)
+		}
+		proto = "shm"
 	case "rdma":
 		if !peerRDMA {
 			return "", fmt.Errorf("%w: segment %s offers no rdma transport (protocol rdma is forced)", ErrUnsupported, peer)
@@ -168,6 +214,8 @@ func (e *Engine) chooseTransport(peer string, d *control.Descriptor) (string, er
 		proto = "rdma"
 	case "auto":
 		switch {
+		case sameHost:
+			proto, why = "shm", "same host (boot id "+e.shm.BootID()+"); "+shm.AttachPolicy()
 		case e.rdma != nil && peerRDMA:
 			proto, why = "rdma", "both ends have rdma"
 		case e.rdma == nil:

@@ -6,6 +6,7 @@
 //	kvferry-bench --mode fence --rate 1000 --duration 10
 //	kvferry-bench --mode auth --duration 2
 //	kvferry-bench --mode pingpong --block-size 4096 --duration 6
+//	kvferry-bench --mode samehost --duration 12
 //
 // Modes: target (serve a buffer and wait), initiator (move data to or from a
 // target named by --segment), loopback (both in one process, TCP on
@@ -37,7 +38,7 @@ import (
 )
 
 type config struct {
-	mode, op, segment, host          string
+	mode, op, segment, host, proto   string
 	blockSize, batchSize, threads    int
 	bufferSize, sliceSize, pathCount int
 	duration                         float64
@@ -50,7 +51,8 @@ type config struct {
 
 func main() {
 	var c config
-	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp | abort | fence | auth | pingpong")
+	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp | abort | fence | auth | pingpong | samehost")
+	flag.StringVar(&c.proto, "protocol", "", "engines' data-plane protocol: auto, tcp, rdma or shm (default: KVFERRY_PROTOCOL, else auto)")
 	flag.StringVar(&c.op, "op", "write", "write | read")
 	flag.StringVar(&c.segment, "segment", "", "the target's segment name host:port (initiator mode; abort mode: be the child of --two-process)")
 	flag.StringVar(&c.host, "host", "127.0.0.1", "address to listen on")
@@ -116,13 +118,14 @@ var modes = map[string]func(config) error{
 	"fence":     runFence,
 	"auth":      runAuthCompare,
 	"pingpong":  runPingPong,
+	"samehost":  runSameHost,
 	// pong-server is pingpong mode's raw TCP peer process.
 	"pong-server": runPongServer,
 }
 
 func (c *config) check() error {
 	if _, ok := modes[c.mode]; !ok {
-		return fmt.Errorf("--mode %q: want target, initiator, loopback, raw-tcp, abort, fence, auth or pingpong", c.mode)
+		return fmt.Errorf("--mode %q: want target, initiator, loopback, raw-tcp, abort, fence, auth, pingpong or samehost", c.mode)
 	}
 	if c.op != "write" && c.op != "read" {
 		return fmt.Errorf("--op %q: want write or read", c.op)
@@ -146,7 +149,7 @@ func (c *config) check() error {
 }
 
 func (c *config) engineOptions() engine.Options {
-	return engine.Options{Host: c.host, SliceSize: c.sliceSize, PathsPerPeer: c.pathCount, ClusterSecretFile: c.clusterSecret}
+	return engine.Options{Host: c.host, SliceSize: c.sliceSize, PathsPerPeer: c.pathCount, ClusterSecretFile: c.clusterSecret, Protocol: c.proto}
 }
 
 // newEngine starts an engine with c's options and allocates size bytes of

@@ -291,9 +291,7 @@ func (c *ownerConn) serveSlice(h *header) {
 	if refusal != nil {
 		ans.status = statusOf(refusal)
 		t.stats.refused.Add(1)
-		if moved > 0 {
-			t.stats.refusedInFlight.Add(1)
-		}
+		t.stats.refusedInFlight.Add(1) // admitted, then refused: as tcp counts it
 	}
 	c.answer(&ans)
 }
@@ -317,7 +315,8 @@ func (c *ownerConn) copySlice(op transport.Op, tgt transport.Target, view []byte
 		if err := tgt.Guard.Enter(); err != nil {
 			return moved, err
 		}
-		if !c.lease.enter() {
+		leased := !c.t.opts.UnsafeIgnoreLease
+		if leased && !c.lease.enter() {
 			tgt.Guard.Leave()
 			return moved, fmt.Errorf("%w: %w", errUnreachable, errRevoked)
 		}
@@ -332,7 +331,9 @@ func (c *ownerConn) copySlice(op transport.Op, tgt transport.Target, view []byte
 		default:
 			k, err = c.peer.attach(op == transport.Write, own, remote+uint64(moved))
 		}
-		c.lease.leave()
+		if leased {
+			c.lease.leave()
+		}
 		tgt.Guard.Leave()
 		moved += k
 		if err != nil {

@@ -64,6 +64,11 @@ type Options struct {
 	// NoAttach is for tests only: the initiator announces no probe, so the
 	// owner never uses cross-memory attach with it.
 	NoAttach bool
+	// UnsafeIgnoreLease is for tests only: the owner copies into and out
+	// of initiators' memory without their lease, so a stopped path can
+	// still be written after its Abort returned (the row that shows the
+	// lease matters).
+	UnsafeIgnoreLease bool
 }
 
 func (o *Options) fill() {
