@@ -39,6 +39,12 @@ func newFenceRig(t *testing.T, proto string, unsafe bool, size int) *fenceRig {
 		testing.ApplyDelay = 2 * time.Millisecond
 		r.owner = newEngineWith(t, engine.Options{Testing: testing})
 		r.init = newEngineWith(t, engine.Options{SliceSize: 64 << 10})
+	case "shm":
+		// As tcp: each 64 KiB slice waits 2 ms at the owner after its
+		// admission, before the owner copies it.
+		testing.ApplyDelay = 2 * time.Millisecond
+		r.owner = newEngineWith(t, engine.Options{Protocol: "shm", Testing: testing})
+		r.init = newEngineWith(t, engine.Options{Protocol: "shm", SliceSize: 64 << 10})
 	case "local":
 		testing.LocalChunkDelay = 8 * time.Millisecond
 		r.owner = newEngineWith(t, engine.Options{Testing: testing})
@@ -67,7 +73,7 @@ func settle(t *testing.T, proto string, b []byte) int {
 	return bytes.Count(b, []byte{oldByte})
 }
 
-func TestFenceRowsOfSafetyMD(t *testing.T) { fenceRows(t, "tcp", "local") }
+func TestFenceRowsOfSafetyMD(t *testing.T) { fenceRows(t, "tcp", "local", "shm") }
 
 // The rdma rows, on the fake provider or, with KVFERRY_TEST_RDMA=1, on this
 // machine's devices (tests/rxe runs them on soft-RoCE).

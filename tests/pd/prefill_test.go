@@ -36,6 +36,7 @@ const (
 	noFenceEnv = "KVFERRY_PD_NOFENCE"        // "1": Options.RDMANoFence
 	noRIDEnv   = "KVFERRY_PD_NORID"          // "1": request id 0 on every transfer
 	secretEnv  = "KVFERRY_PD_CLUSTER_SECRET" // Options.ClusterSecretFile: both ends authenticate
+	shmEnv     = "KVFERRY_PD_SHM"            // "1": Options.Protocol "shm" (the same-host transport)
 )
 
 func TestMain(m *testing.M) {
@@ -66,6 +67,9 @@ type prefillConfig struct {
 	// clusterSecret: a cluster secret file both ends authenticate with
 	// (Options.ClusterSecretFile); "": no authentication.
 	clusterSecret string
+	// shm: both ends use the same-host transport (the owner copies from
+	// the prefill's shared buffers itself) instead of tcp.
+	shm bool
 }
 
 func (c prefillConfig) env() []string {
@@ -81,7 +85,11 @@ func (c prefillConfig) env() []string {
 	if c.noRID {
 		nr = "1"
 	}
-	return []string{roleEnv + "=prefill", unsafeEnv + "=" + u, sliceEnv + "=" + strconv.Itoa(c.slice),
+	sh := "0"
+	if c.shm {
+		sh = "1"
+	}
+	return []string{roleEnv + "=prefill", shmEnv + "=" + sh, unsafeEnv + "=" + u, sliceEnv + "=" + strconv.Itoa(c.slice),
 		pathsEnv + "=" + strconv.Itoa(c.paths), workersEnv + "=" + strconv.Itoa(c.workers), srcEnv + "=" + strconv.Itoa(c.srcSize),
 		rdmaEnv + "=" + c.rdma, noFenceEnv + "=" + nf, devicesEnv + "=" + c.devices, noRIDEnv + "=" + nr,
 		secretEnv + "=" + c.clusterSecret}
@@ -91,6 +99,9 @@ func (c prefillConfig) env() []string {
 // unless c says rdma, whatever devices the machine has).
 func (c prefillConfig) options() engine.Options {
 	o := engine.Options{IgnoreEnv: true, Protocol: "tcp", ClusterSecretFile: c.clusterSecret}
+	if c.shm {
+		o.Protocol = "shm"
+	}
 	if c.rdma != "" {
 		o.Protocol, o.RDMALibrary, o.RDMANoFence, o.RDMADevices = "rdma", c.rdma, c.noFence, c.devices
 	}
@@ -202,7 +213,8 @@ func runPrefill() int {
 	}
 	cfg := prefillConfig{unsafe: os.Getenv(unsafeEnv) == "1", slice: num(sliceEnv), paths: num(pathsEnv),
 		workers: num(workersEnv), srcSize: num(srcEnv), rdma: os.Getenv(rdmaEnv), noFence: os.Getenv(noFenceEnv) == "1",
-		devices: os.Getenv(devicesEnv), noRID: os.Getenv(noRIDEnv) == "1", clusterSecret: os.Getenv(secretEnv)}
+		devices: os.Getenv(devicesEnv), noRID: os.Getenv(noRIDEnv) == "1", clusterSecret: os.Getenv(secretEnv),
+		shm: os.Getenv(shmEnv) == "1"}
 	if cfg.slice <= 0 || cfg.paths <= 0 || cfg.workers <= 0 || cfg.srcSize <= 0 {
 		return fail("bad configuration %+v", cfg)
 	}
@@ -294,10 +306,11 @@ func runPrefill() int {
 		return fail("free: %v", err)
 	}
 	g, fds := settled(g0, f0, 2*time.Second)
-	out.Printf("bye completed=%d failed=%d inflight=%d tasks_aborted=%d aborts_received=%d abort_events=%d other_events=%d events_dropped=%d goroutines_before=%d goroutines_after=%d fds_before=%d fds_after=%d rdma_wrs=%d rdma_error_wcs=%d rdma_failovers=%d retries=%d tasks_fenced=%d bytes_fenced=%d fences_received=%d acks_sent=%d",
+	out.Printf("bye completed=%d failed=%d inflight=%d tasks_aborted=%d aborts_received=%d abort_events=%d other_events=%d events_dropped=%d goroutines_before=%d goroutines_after=%d fds_before=%d fds_after=%d rdma_wrs=%d rdma_error_wcs=%d rdma_failovers=%d retries=%d tasks_fenced=%d bytes_fenced=%d fences_received=%d acks_sent=%d shm_slices=%d shm_over_tcp=%d",
 		st.TasksCompleted, st.TasksFailed, st.TasksInFlight, st.TasksAborted, st.AbortsReceived, abortEvents, otherEvents,
 		st.EventsDropped, g0, g, f0, fds, st.RDMAWorkRequests, st.RDMAErrorWCs, st.RDMAFailovers, st.Retries,
-		fenced.tasks.Load(), fenced.bytes.Load(), st.FencesReceived, st.AbortAcksSent)
+		fenced.tasks.Load(), fenced.bytes.Load(), st.FencesReceived, st.AbortAcksSent,
+		st.SHMSharedSlices+st.SHMAttachSlices, st.SHMFallbackSlices)
 	return 0
 }
 

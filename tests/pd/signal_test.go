@@ -14,13 +14,16 @@ import (
 // owner's refusal is the fence); decode reuses the slot at once; when the
 // prefill resumes, its bytes still on the way are refused and the slot
 // keeps decode's new pattern.
-func TestSIGSTOPPrefillAbortIsSafe(t *testing.T) { testSignalAbort(t, syscall.SIGSTOP) }
+func TestSIGSTOPPrefillAbortIsSafe(t *testing.T) { testSignalAbort(t, syscall.SIGSTOP, false) }
 
 // TestSIGKILLPrefillAbortIsSafe: the same with the prefill killed instead of
 // paused.
-func TestSIGKILLPrefillAbortIsSafe(t *testing.T) { testSignalAbort(t, syscall.SIGKILL) }
+func TestSIGKILLPrefillAbortIsSafe(t *testing.T) { testSignalAbort(t, syscall.SIGKILL, false) }
 
-func testSignalAbort(t *testing.T, sig syscall.Signal) {
+// testSignalAbort runs the scenario over tcp, or over the same-host
+// transport (shm), where decode copies from the prefill's shared buffer
+// itself.
+func testSignalAbort(t *testing.T, sig syscall.Signal, shm bool) {
 	const (
 		size      = 64 << 20 // the request: one page, cut into 1 MiB slices on one path
 		slice     = 1 << 20
@@ -32,10 +35,12 @@ func testSignalAbort(t *testing.T, sig syscall.Signal) {
 		abortDeadline = 2 * time.Second
 		rid           = 1
 	)
-	d, _ := newDecode(t, engine.Options{IgnoreEnv: true, Protocol: "tcp", Testing: engine.Testing{ApplyDelay: applyDelay}})
+	pcfg := prefillConfig{slice: slice, paths: 1, workers: 2, srcSize: size, shm: shm}
+	dopts := pcfg.decodeOptions()
+	dopts.Testing = engine.Testing{ApplyDelay: applyDelay}
+	d, _ := newDecode(t, dopts)
 	mem, _ := allocDecode(t, d, size+probeSize)
 	slot, probe := mem[:size:size], mem[size:]
-	pcfg := prefillConfig{slice: slice, paths: 1, workers: 2, srcSize: size}
 	pp := startPrefill(t, pcfg, d.Name())
 
 	ch := pp.send(t, rid, 0, 1, 1, size, []uint64{engine.AddrOf(slot)})

@@ -82,6 +82,8 @@ type stressConfig struct {
 	// auth: both ends authenticate with a cluster secret (control plane
 	// over CURVE, data connections with their handshake).
 	auth bool
+	// shm: over the same-host transport instead of tcp.
+	shm bool
 	// budget, when set, stops the run from starting requests after this
 	// long, which fails the test: a run that slows down by orders of
 	// magnitude is found out without timing out.
@@ -169,7 +171,7 @@ func runStress(t *testing.T, cfg stressConfig) *stressResult {
 		t.Fatal("a fence run has no aborts before the prefill hears of the request")
 	}
 	pcfg := prefillConfig{unsafe: cfg.unsafe && !cfg.fence, slice: cfg.slice, paths: cfg.paths,
-		workers: 2 * cfg.lanes, srcSize: cfg.layers * cfg.pages * cfg.pageSize, noFence: cfg.noFence, noRID: cfg.fence}
+		workers: 2 * cfg.lanes, srcSize: cfg.layers * cfg.pages * cfg.pageSize, noFence: cfg.noFence, noRID: cfg.fence, shm: cfg.shm}
 	if cfg.auth {
 		pcfg.clusterSecret = filepath.Join(t.TempDir(), "cluster.secret")
 		if err := os.WriteFile(pcfg.clusterSecret, []byte("pd stress cluster secret, 32 bytes\n"), 0o600); err != nil {
