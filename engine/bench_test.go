@@ -29,9 +29,14 @@ func benchPair(b *testing.B, opts engine.Options, n int) (*engine.Engine, []byte
 // goroutines until b.N requests moved.
 func runBatches(b *testing.B, e *engine.Engine, op engine.Op, src []byte, seg *engine.Segment, dst uint64, block, batch int) {
 	b.Helper()
+	runBatchesWith(b, 4, e, op, src, seg, dst, block, batch)
+}
+
+// runBatchesWith is runBatches from workers goroutines.
+func runBatchesWith(b *testing.B, workers int, e *engine.Engine, op engine.Op, src []byte, seg *engine.Segment, dst uint64, block, batch int) {
+	b.Helper()
 	b.SetBytes(int64(block))
 	b.ResetTimer()
-	const workers = 4
 	per := len(src) / workers / block * block
 	errs := make(chan error, workers)
 	for w := 0; w < workers; w++ {
@@ -71,6 +76,23 @@ func BenchmarkTCP(b *testing.B) {
 				e, src, seg, dst := benchPair(b, engine.Options{PathsPerPeer: 4}, 64<<20)
 				runBatches(b, e, op, src, seg, dst, block, 16)
 			})
+		}
+	}
+}
+
+// BenchmarkSHM moves blocks between two engines over the same-host
+// transport and over tcp, side by side in one run, with one path and one
+// submitting goroutine: the ratio is what shm gains where both ends share
+// a host (engine buffers: the owner copies through views of them).
+func BenchmarkSHM(b *testing.B) {
+	for _, op := range []engine.Op{engine.Write, engine.Read} {
+		for _, block := range []int{64 << 10, 1 << 20, 4 << 20} {
+			for _, proto := range []string{"tcp", "shm"} {
+				b.Run(fmt.Sprintf("%s/%dKiB/%s", op, block>>10, proto), func(b *testing.B) {
+					e, src, seg, dst := benchPair(b, engine.Options{Protocol: proto}, 64<<20)
+					runBatchesWith(b, 1, e, op, src, seg, dst, block, 16)
+				})
+			}
 		}
 	}
 }

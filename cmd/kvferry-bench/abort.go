@@ -292,7 +292,8 @@ func runAbort(c config) error {
 			"--threads", strconv.Itoa(c.threads), "--paths", strconv.Itoa(c.pathCount),
 			"--block-size", strconv.Itoa(c.blockSize), "--batch-size", strconv.Itoa(c.batchSize),
 			"--slice-size", strconv.Itoa(c.sliceSize), "--rate", strconv.FormatFloat(c.rate, 'g', -1, 64),
-			"--duration", strconv.FormatFloat(c.duration, 'g', -1, 64), "--seed", strconv.FormatUint(c.seed, 10))
+			"--duration", strconv.FormatFloat(c.duration, 'g', -1, 64), "--seed", strconv.FormatUint(c.seed, 10),
+			"--protocol", c.proto)
 		child.Stdout, child.Stderr = os.Stdout, os.Stderr
 		if err := child.Start(); err != nil {
 			return fmt.Errorf("start the initiator process: %w", err)

@@ -47,12 +47,13 @@ type config struct {
 	abortEvery                       time.Duration // abort mode: mean time between aborts
 	twoProcess                       bool          // abort mode: the initiator in a child process
 	clusterSecret                    string        // engines authenticate with this cluster secret file
+	pathsGiven                       bool          // --paths was given
 }
 
 func main() {
 	var c config
 	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp | abort | fence | auth | pingpong | samehost")
-	flag.StringVar(&c.proto, "protocol", "", "engines' data-plane protocol: auto, tcp, rdma or shm (default: KVFERRY_PROTOCOL, else auto)")
+	flag.StringVar(&c.proto, "protocol", "", "engines' data-plane protocol: auto, tcp, rdma or shm (empty: auto; KVFERRY_PROTOCOL, when set, overrides it)")
 	flag.StringVar(&c.op, "op", "write", "write | read")
 	flag.StringVar(&c.segment, "segment", "", "the target's segment name host:port (initiator mode; abort mode: be the child of --two-process)")
 	flag.StringVar(&c.host, "host", "127.0.0.1", "address to listen on")
@@ -91,6 +92,7 @@ func main() {
 		}
 		defer pprof.StopCPUProfile()
 	}
+	c.pathsGiven = c.pathCount != 0
 	if c.pathCount == 0 {
 		c.pathCount = c.threads
 	}
@@ -296,8 +298,12 @@ func initiate(c config, targetBuf []byte) (gbps float64, err error) {
 	} else {
 		fill(local, 0, c.seed^0x5a5a)
 	}
-	fmt.Printf("kvferry-bench: mode=%s op=%s segment=%s block=%d batch=%d threads=%d paths=%d duration=%gs\n",
-		c.mode, c.op, c.segment, c.blockSize, c.batchSize, c.threads, c.pathCount, c.duration)
+	proto := c.proto
+	if proto == "" {
+		proto = "auto"
+	}
+	fmt.Printf("kvferry-bench: mode=%s protocol=%s op=%s segment=%s block=%d batch=%d threads=%d paths=%d duration=%gs\n",
+		c.mode, proto, c.op, c.segment, c.blockSize, c.batchSize, c.threads, c.pathCount, c.duration)
 
 	var total atomic.Uint64
 	stop := time.Now().Add(time.Duration(c.duration * float64(time.Second)))

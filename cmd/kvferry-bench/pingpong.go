@@ -20,12 +20,13 @@ import (
 
 // runPingPong measures the round trip of one small WRITE, from submit to
 // completion, between two processes: the engine (a target process, this
-// process the initiator) against a raw TCP ping-pong of the same size (a
-// pong process that answers each --block-size message with one byte), in
-// rounds that alternate, in one run.
+// process the initiator) over tcp and over shm (the same-host transport;
+// --protocol keeps one of them), against a raw TCP ping-pong of the same
+// size (a pong process that answers each --block-size message with one
+// byte), in rounds that alternate, in one run.
 func runPingPong(c config) error {
 	const rounds = 3
-	per := time.Duration(c.duration * float64(time.Second) / (2 * rounds))
+	var per time.Duration
 	target, line, err := startChild(c, "target", "target ready: ")
 	if err != nil {
 		return err
@@ -49,68 +50,81 @@ func runPingPong(c config) error {
 	}
 	defer stopChild(pong)
 
-	e, local, err := c.newEngine(c.blockSize)
-	if err != nil {
-		return err
+	// One engine per protocol: tcp, and shm (the same-host transport),
+	// unless --protocol names one alone.
+	protos := []string{"tcp", "shm"}
+	if c.proto != "" && c.proto != "auto" {
+		protos = []string{c.proto}
 	}
-	defer e.Close()
 	ctx := context.Background()
-	seg, err := e.OpenSegment(ctx, segment)
-	if err != nil {
-		return err
+	trip := map[string]func() error{}
+	for _, p := range protos {
+		pc := c
+		pc.proto = p
+		e, local, err := pc.newEngine(c.blockSize)
+		if err != nil {
+			return fmt.Errorf("engine over %s: %w", p, err)
+		}
+		defer e.Close()
+		seg, err := e.OpenSegment(ctx, segment)
+		if err != nil {
+			return err
+		}
+		fill(local, 0, c.seed)
+		req := []engine.Request{{Op: engine.Write, Local: engine.AddrOf(local), Segment: seg, Remote: buffer, Length: uint64(c.blockSize)}}
+		trip[p] = func() error { _, err := e.Transfer(ctx, req); return err }
 	}
-	fill(local, 0, c.seed)
-	req := []engine.Request{{Op: engine.Write, Local: engine.AddrOf(local), Segment: seg, Remote: buffer, Length: uint64(c.blockSize)}}
 	conn, err := net.Dial("tcp", strings.TrimPrefix(pline, "pong ready: addr="))
 	if err != nil {
 		return err
 	}
 	defer conn.Close()
 	msg, ack := make([]byte, c.blockSize), make([]byte, 1)
-	var eng, raw []time.Duration
-	trip := map[string]func() error{
-		"engine": func() error { _, err := e.Transfer(ctx, req); return err },
-		"raw": func() error {
-			if _, err := conn.Write(msg); err != nil {
-				return err
-			}
-			_, err := io.ReadFull(conn, ack)
+	trip["raw"] = func() error {
+		if _, err := conn.Write(msg); err != nil {
 			return err
-		},
-	}
-	for round := range rounds {
-		order := []string{"engine", "raw"}
-		if round%2 == 1 {
-			order = []string{"raw", "engine"}
 		}
-		for _, which := range order {
-			if err := pingFor(per, which, &eng, &raw, trip[which]); err != nil {
+		_, err := io.ReadFull(conn, ack)
+		return err
+	}
+	order := append(append([]string(nil), protos...), "raw")
+	times := map[string][]time.Duration{}
+	per = time.Duration(c.duration * float64(time.Second) / float64(len(order)*rounds))
+	for round := range rounds {
+		for i := range order {
+			which := order[(i+round)%len(order)] // each goes first in turn
+			d, err := pingFor(per, which, trip[which])
+			if err != nil {
 				return err
 			}
+			times[which] = append(times[which], d...)
 		}
 	}
-	pe, pr := percentiles(eng), percentiles(raw)
-	fmt.Printf("RESULT mode=pingpong what=engine op=write bytes=%d round_trips=%d p50_us=%.1f p99_us=%.1f\n", c.blockSize, len(eng), pe[0], pe[1])
-	fmt.Printf("RESULT mode=pingpong what=raw-tcp bytes=%d round_trips=%d p50_us=%.1f p99_us=%.1f\n", c.blockSize, len(raw), pr[0], pr[1])
-	fmt.Printf("RESULT mode=pingpong engine_over_raw_p50=%.2f engine_over_raw_p99=%.2f\n", pe[0]/pr[0], pe[1]/pr[1])
+	pr := percentiles(times["raw"])
+	for _, p := range protos {
+		pe := percentiles(times[p])
+		fmt.Printf("RESULT mode=pingpong what=engine protocol=%s op=write bytes=%d round_trips=%d p50_us=%.1f p99_us=%.1f over_raw_p50=%.2f over_raw_p99=%.2f\n",
+			p, c.blockSize, len(times[p]), pe[0], pe[1], pe[0]/pr[0], pe[1]/pr[1])
+	}
+	fmt.Printf("RESULT mode=pingpong what=raw-tcp bytes=%d round_trips=%d p50_us=%.1f p99_us=%.1f\n", c.blockSize, len(times["raw"]), pr[0], pr[1])
+	if len(protos) == 2 {
+		pt, ps := percentiles(times["tcp"]), percentiles(times["shm"])
+		fmt.Printf("RESULT mode=pingpong shm_over_tcp_p50=%.2f shm_over_tcp_p99=%.2f\n", ps[0]/pt[0], ps[1]/pt[1])
+	}
 	return nil
 }
 
-// pingFor runs one round trip after another for d, adding each one's time
-// to eng or raw by which.
-func pingFor(d time.Duration, which string, eng, raw *[]time.Duration, once func() error) error {
-	dst := raw
-	if which == "engine" {
-		dst = eng
-	}
+// pingFor runs one round trip after another for d and returns their times.
+func pingFor(d time.Duration, which string, once func() error) ([]time.Duration, error) {
+	var ts []time.Duration
 	for end := time.Now().Add(d); time.Now().Before(end); {
 		t0 := time.Now()
 		if err := once(); err != nil {
-			return fmt.Errorf("%s round trip: %w", which, err)
+			return nil, fmt.Errorf("%s round trip: %w", which, err)
 		}
-		*dst = append(*dst, time.Since(t0))
+		ts = append(ts, time.Since(t0))
 	}
-	return nil
+	return ts, nil
 }
 
 // percentiles returns p50 and p99 in microseconds.

@@ -45,8 +45,13 @@ type endpoint struct {
 	fb       transport.Endpoint          // the tcp path, dialed on first need
 	wake     chan struct{}
 
-	seq    uint64          // sender only
-	shared map[uint64]bool // sender only: share ids the owner holds
+	// sendMu is held by whoever sends: Post in its caller's goroutine when
+	// no one else does, else the sender goroutine.
+	sendMu sync.Mutex
+	seq    uint64          // under sendMu
+	shared map[uint64]bool // under sendMu: share ids the owner holds
+	batch  []*transport.Slice
+	out    []byte
 
 	dead     atomic.Bool
 	failOnce sync.Once
@@ -148,6 +153,17 @@ func (ep *endpoint) Post(slices []*transport.Slice) {
 	}
 	ep.queue = append(ep.queue, slices...)
 	ep.mu.Unlock()
+	// Frames are small and the socket has room for a window of them, so
+	// the caller sends them itself when no one else is sending: one
+	// goroutine hand-off less on the way to the owner.
+	if ep.sendMu.TryLock() {
+		err := ep.sendQueued(true)
+		ep.sendMu.Unlock()
+		if err != nil {
+			ep.fail(err)
+		}
+		return
+	}
 	ep.poke()
 }
 
@@ -191,11 +207,27 @@ func (ep *endpoint) touches(regs []*memory.Region) bool {
 // at a time.
 const maxInFlight = 16 << 20
 
-// send writes a frame per queued slice, in order.
+// send is the sender goroutine: it sends what Post left queued (a window
+// that was full, slices for the tcp path, buffers to unshare).
 func (ep *endpoint) send() {
 	defer ep.wg.Done()
-	var batch []*transport.Slice
-	out := make([]byte, 0, 64*FrameSize)
+	for !ep.dead.Load() {
+		<-ep.wake
+		ep.sendMu.Lock()
+		err := ep.sendQueued(false)
+		ep.sendMu.Unlock()
+		if err != nil {
+			ep.fail(err)
+			return
+		}
+	}
+}
+
+// sendQueued writes a frame per queued slice, in order, within the window.
+// inline is set when Post runs it in its caller's goroutine, which must not
+// wait for a dial: it then leaves the slices for the tcp path, and those
+// after them, to the sender goroutine. The caller holds sendMu.
+func (ep *endpoint) sendQueued(inline bool) error {
 	for !ep.dead.Load() {
 		ep.mu.Lock()
 		// Only a window of bytes goes to the owner at once; the rest stays
@@ -205,16 +237,15 @@ func (ep *endpoint) send() {
 			room -= len(ep.queue[k].Local)
 			k++
 		}
-		batch = append(batch[:0], ep.queue[:k]...)
+		batch := append(ep.batch[:0], ep.queue[:k]...)
 		ep.queue = append(ep.queue[:0], ep.queue[k:]...)
 		unshares := ep.unshares
 		ep.unshares = nil
 		ep.mu.Unlock()
 		if len(batch) == 0 && len(unshares) == 0 {
-			<-ep.wake
-			continue
+			return nil
 		}
-		out = out[:0]
+		out := ep.out[:0]
 		for _, id := range unshares {
 			if ep.shared[id] {
 				delete(ep.shared, id)
@@ -223,6 +254,7 @@ func (ep *endpoint) send() {
 		}
 		var fbs []*transport.Slice
 		var err error
+		handOver := false
 		for i, s := range batch {
 			if !s.Advance(transport.StateQueued, transport.StateActive) {
 				continue // canceled while queued
@@ -235,6 +267,11 @@ func (ep *endpoint) send() {
 			}
 			if h.status == 0 {
 				s.Advance(transport.StateActive, transport.StateQueued)
+				if inline {
+					ep.requeue(batch[i:])
+					handOver = true
+					break
+				}
 				fbs = append(fbs, s)
 				continue
 			}
@@ -255,15 +292,21 @@ func (ep *endpoint) send() {
 		if err == nil {
 			err = ep.write(out, nil)
 		}
+		ep.out = out[:0]
 		clear(batch)
+		ep.batch = batch[:0]
 		if len(fbs) > 0 {
 			ep.toFallback(fbs)
 		}
 		if err != nil {
-			ep.fail(err)
-			return
+			return err
+		}
+		if handOver {
+			ep.poke()
+			return nil
 		}
 	}
+	return nil
 }
 
 // requeue puts slices back at the head of the queue for the sweep.
