@@ -224,6 +224,38 @@ func (d *Driver) DmaBuf(ordinal int, p, n uint64) (int, error) {
 	return int(fd), nil
 }
 
+// IPCHandle is a CUDA IPC memory handle (CUipcMemHandle): it names an
+// allocation of device memory to another process of this host.
+type IPCHandle [64]byte
+
+// IPCExport returns the IPC handle of the allocation starting at base
+// (device ordinal's memory).
+func (d *Driver) IPCExport(ordinal int, base uint64) (IPCHandle, error) {
+	var h C.kvfc_ipc_handle
+	if err := d.check("cuIpcGetMemHandle", C.kvfc_ipc_get(d.c, C.int(ordinal), C.uint64_t(base), &h)); err != nil {
+		return IPCHandle{}, err
+	}
+	return *(*IPCHandle)(unsafe.Pointer(&h.reserved[0])), nil
+}
+
+// IPCOpen maps another process's allocation, named by h, on device
+// ordinal's context (which must be in use), and returns its address here.
+// The driver refuses a handle of this process itself.
+func (d *Driver) IPCOpen(ordinal int, h IPCHandle) (uint64, error) {
+	var ch C.kvfc_ipc_handle
+	*(*IPCHandle)(unsafe.Pointer(&ch.reserved[0])) = h
+	var p C.uint64_t
+	if err := d.check("cuIpcOpenMemHandle", C.kvfc_ipc_open(d.c, C.int(ordinal), &ch, &p)); err != nil {
+		return 0, err
+	}
+	return uint64(p), nil
+}
+
+// IPCClose unmaps an allocation IPCOpen mapped.
+func (d *Driver) IPCClose(ordinal int, p uint64) error {
+	return d.check("cuIpcCloseMemHandle", C.kvfc_ipc_close(d.c, C.int(ordinal), C.uint64_t(p)))
+}
+
 // Stat reads a counter of a fake driver (fakecuda_stats); -1 elsewhere.
 func (d *Driver) Stat(what string) int64 {
 	s := C.CString("fakecuda_stats")

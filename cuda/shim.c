@@ -46,6 +46,11 @@ struct kvfc_lib {
 	CUresult (*MemcpyDtoH)(void *, CUdeviceptr, size_t);
 	CUresult (*MemcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t);
 	CUresult (*GetHandle)(void *, CUdeviceptr, size_t, int, unsigned long long);
+	// CUDA IPC (optional: the engine goes without it).
+	CUresult (*IpcGetMemHandle)(void *, CUdeviceptr);
+	CUresult (*IpcOpenMemHandle)(CUdeviceptr *, kvfc_ipc_handle, unsigned);
+	CUresult (*IpcCloseMemHandle)(CUdeviceptr);
+	CUresult (*CtxSynchronize)(void);
 	CUresult (*GetErrorString)(CUresult, const char **);
 };
 
@@ -97,6 +102,10 @@ int kvfc_open(const char *path, kvfc_lib **out, char *err, size_t errlen) {
 	SYM(MemcpyDtoH, "cuMemcpyDtoH_v2", 1);
 	SYM(MemcpyDtoD, "cuMemcpyDtoD_v2", 1);
 	SYM(GetHandle, "cuMemGetHandleForAddressRange", 0); // CUDA 11.7+
+	SYM(IpcGetMemHandle, "cuIpcGetMemHandle", 0);
+	SYM(IpcOpenMemHandle, "cuIpcOpenMemHandle_v2", 0);
+	SYM(IpcCloseMemHandle, "cuIpcCloseMemHandle", 0);
+	SYM(CtxSynchronize, "cuCtxSynchronize", 0);
 	SYM(GetErrorString, "cuGetErrorString", 1);
 #undef SYM
 	int i = __atomic_fetch_add(&nkept, 1, __ATOMIC_RELAXED);
@@ -222,9 +231,45 @@ int kvfc_copy(kvfc_lib *l, int ordinal, int kind, uint64_t dst, uint64_t src, ui
 	case 2:
 		return l->MemcpyDtoH((void *)(uintptr_t)dst, src, n);
 	case 3:
-		return l->MemcpyDtoD(dst, src, n);
+		// A device-to-device copy may still run when cuMemcpyDtoD returns;
+		// the caller's guard must cover the whole copy, so wait for it.
+		if ((r = l->MemcpyDtoD(dst, src, n)))
+			return r;
+		return l->CtxSynchronize != NULL ? l->CtxSynchronize() : 0;
 	}
 	return CUDA_ERROR_INVALID_VALUE;
+}
+
+int kvfc_ipc_get(kvfc_lib *l, int ordinal, uint64_t base, kvfc_ipc_handle *out) {
+	if (l->IpcGetMemHandle == NULL)
+		return 801; // CUDA_ERROR_NOT_SUPPORTED
+	CUresult r = current(l, ordinal);
+	if (r)
+		return r;
+	return l->IpcGetMemHandle(out, base);
+}
+
+int kvfc_ipc_open(kvfc_lib *l, int ordinal, const kvfc_ipc_handle *h, uint64_t *ptr) {
+	if (l->IpcOpenMemHandle == NULL)
+		return 801;
+	CUresult r = current(l, ordinal);
+	if (r)
+		return r;
+	CUdeviceptr p = 0;
+	// CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS (0x1): the memory may live on
+	// another device than the context's.
+	r = l->IpcOpenMemHandle(&p, *h, 1);
+	*ptr = p;
+	return r;
+}
+
+int kvfc_ipc_close(kvfc_lib *l, int ordinal, uint64_t ptr) {
+	if (l->IpcCloseMemHandle == NULL)
+		return 801;
+	CUresult r = current(l, ordinal);
+	if (r)
+		return r;
+	return l->IpcCloseMemHandle(ptr);
 }
 
 int kvfc_dmabuf(kvfc_lib *l, int ordinal, uint64_t ptr, uint64_t n, int *fd) {

@@ -32,6 +32,14 @@ int kvfc_host_unregister(kvfc_lib *l, int ordinal, void *p);
 // kind: 1 host->device, 2 device->host, 3 device->device.
 int kvfc_copy(kvfc_lib *l, int ordinal, int kind, uint64_t dst, uint64_t src, uint64_t n);
 int kvfc_dmabuf(kvfc_lib *l, int ordinal, uint64_t ptr, uint64_t n, int *fd);
+// CUDA IPC: a handle of the allocation at base, opened in another process
+// on ordinal's context, closed there.
+typedef struct {
+	unsigned char reserved[64];
+} kvfc_ipc_handle;
+int kvfc_ipc_get(kvfc_lib *l, int ordinal, uint64_t base, kvfc_ipc_handle *out);
+int kvfc_ipc_open(kvfc_lib *l, int ordinal, const kvfc_ipc_handle *h, uint64_t *ptr);
+int kvfc_ipc_close(kvfc_lib *l, int ordinal, uint64_t ptr);
 const char *kvfc_error_string(kvfc_lib *l, int result);
 long kvfc_stat(kvfc_lib *l, const char *sym, const char *what);
 int kvfc_control(kvfc_lib *l, const char *sym, const char *cmd);

@@ -238,6 +238,86 @@ func TestTwoProcessesGPUOverTCP(t *testing.T) {
 	requireEqual(t, "GPU->GPU: this GPU's memory written to the target's GPU and read back into it", gpuRead(t, d, 1, g), want)
 }
 
+// Two processes over shm: the owner (the target process) opens this
+// process's GPU memory by its CUDA IPC handle and copies it itself, device
+// to device into its own GPU memory and between device and host memory;
+// this process stages nothing. Every byte is checked, and the target's
+// driver copied what moved (here: no host staging copy of ours).
+func TestTwoProcessesGPUOverSHMThroughIPC(t *testing.T) {
+	const n = 8<<20 + 4096
+	lib := cudaLib(t)
+	tg := startTarget(t, targetConfig{cuda: lib, size: n, seed: 9, shm: true})
+	o := gpuOpts(t, engine.Options{SliceSize: 1 << 20})
+	o.Protocol = "shm"
+	e := newEngineWith(t, o)
+	seg := openSegment(t, e, tg.name)
+	want := make([]byte, n)
+
+	// This process's GPU memory <-> the target's GPU memory: device to
+	// device at the target, through the IPC mapping of ours.
+	d, g := gpuAlloc(t, 1, n)
+	registerMemory(t, e, g, "*")
+	before := e.Stats()
+	fillPattern(want, 11)
+	gpuWrite(t, d, 1, g, want)
+	copiesBefore := d.Stat("copies")
+	transfer(t, e, 30*time.Second, write(g, seg, tg.addr, n))
+	gpuWrite(t, d, 1, g, make([]byte, n))
+	copiesMid := d.Stat("copies")
+	transfer(t, e, 30*time.Second, read(g, seg, tg.addr, n))
+	requireEqual(t, "GPU->GPU over shm: this GPU's memory written to the target's GPU and read back into it", gpuRead(t, d, 1, g), want)
+	if !realGPU() {
+		// The fake counts this process's driver copies: only the test's
+		// own gpuWrite may show between the transfers.
+		if c := copiesMid - copiesBefore; c != 1 {
+			t.Errorf("%d driver copies in this process around the WRITE (1 is the test's own): its GPU memory was staged", c)
+		}
+	}
+	st := e.Stats()
+	if got := st.SHMGPUSlices - before.SHMGPUSlices; got == 0 {
+		t.Errorf("no slice of GPU memory went through CUDA IPC (stats %+v)", st)
+	}
+	if st.StagingInUse != 0 {
+		t.Errorf("%d staging bytes in use after the transfers", st.StagingInUse)
+	}
+
+	// Host memory here <-> the target's GPU memory: the target copies
+	// between our shared buffer and its device.
+	host := alloc(t, e, n)
+	fillPattern(want, 12)
+	copy(host, want)
+	transfer(t, e, 30*time.Second, write(host, seg, tg.addr, n))
+	clear(host)
+	transfer(t, e, 30*time.Second, read(host, seg, tg.addr, n))
+	requireEqual(t, "CPU->GPU over shm: host memory written into the target's GPU memory, read back", host, want)
+
+}
+
+// Two processes over shm, GPU memory here and host memory at the owner
+// (KV offloaded to CPU memory on the same node): the owner copies between
+// its host memory and this process's GPU memory through the IPC mapping.
+func TestTwoProcessesGPUToHostMemoryOverSHM(t *testing.T) {
+	const n = 4<<20 + 4096
+	lib := cudaLib(t)
+	tg := startTarget(t, targetConfig{cuda: lib, hostBuf: true, size: n, shm: true})
+	o := gpuOpts(t, engine.Options{SliceSize: 1 << 20})
+	o.Protocol = "shm"
+	e := newEngineWith(t, o)
+	seg := openSegment(t, e, tg.name)
+	d, g := gpuAlloc(t, 0, n)
+	registerMemory(t, e, g, "*")
+	want := make([]byte, n)
+	fillPattern(want, 13)
+	gpuWrite(t, d, 0, g, want)
+	transfer(t, e, 30*time.Second, write(g, seg, tg.addr, n))
+	gpuWrite(t, d, 0, g, make([]byte, n))
+	transfer(t, e, 30*time.Second, read(g, seg, tg.addr, n))
+	requireEqual(t, "GPU->CPU->GPU over shm", gpuRead(t, d, 0, g), want)
+	if st := e.Stats(); st.SHMGPUSlices == 0 {
+		t.Errorf("no slice of GPU memory went through CUDA IPC (stats %+v)", st)
+	}
+}
+
 // Over rdma GPU memory is registered with the NICs (dma-buf first; the fake
 // NIC refuses it, so as is, as nvidia-peermem would) and moved without
 // staging: the driver copies nothing during the transfer.

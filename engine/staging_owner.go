@@ -67,6 +67,9 @@ func (s *ownerStage) Flush() error {
 	return s.e.gpu.drv.Copy(s.dev, cuda.HostToDevice, s.addr, memory.AddrOf(s.buf.mem), uint64(s.n))
 }
 
+// Device names the GPU memory of the access (transport.DeviceStage).
+func (s *ownerStage) Device() (int, uint64) { return s.dev, s.addr }
+
 func (s *ownerStage) Release() {
 	s.e.putStage(s.buf)
 	s.e.releaseOwnerStage(len(s.buf.mem))

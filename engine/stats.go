@@ -50,6 +50,7 @@ type Stats struct {
 	SHMConns            int64  // accepted shm connections open now
 	SHMSharedSlices     uint64 // our slices an owner copied through a view of a shared buffer
 	SHMAttachSlices     uint64 // our slices an owner copied by cross-memory attach
+	SHMGPUSlices        uint64 // our slices of GPU memory an owner copied through CUDA IPC
 	SHMFallbackSlices   uint64 // our slices to a same-host owner sent over tcp: it could reach their memory neither way
 	SHMStopsUnconfirmed uint64 // our shm paths stopped without the owner confirming it left our memory (logged as errors)
 
@@ -167,7 +168,7 @@ func (e *Engine) Stats() Stats {
 		Retries: e.stats.retries.Load(), OwnerBytesIn: t.BytesIn + sh.BytesIn, OwnerBytesOut: t.BytesOut + sh.BytesOut,
 		OwnerRefused: t.Refused + sh.Refused, RefusedInFlight: t.RefusedInFlight + sh.RefusedInFlight,
 		ProtocolErrors: t.ProtocolErrors + sh.ProtocolErrors,
-		SHMConns:       sh.Conns, SHMSharedSlices: sh.SharedSlices, SHMAttachSlices: sh.AttachSlices,
+		SHMConns:       sh.Conns, SHMSharedSlices: sh.SharedSlices, SHMAttachSlices: sh.AttachSlices, SHMGPUSlices: sh.GPUSlices,
 		SHMFallbackSlices: sh.FallbackSlices, SHMStopsUnconfirmed: sh.StopsUnconfirmed,
 		DataConns: t.Conns, ConnsRefused: t.RefusedPerPeer + t.RefusedTotal, IdleClosed: t.IdleClosed,
 		FrameTimeouts: t.FrameTimeouts, PathsIdledOut: t.GoAways, AcceptErrors: t.AcceptErrors,

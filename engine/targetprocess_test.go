@@ -26,6 +26,8 @@ const (
 	progressEnv = "KVFERRY_TEST_PROGRESS" // print "progress N" once peers moved N bytes
 	cudaEnv     = "KVFERRY_TEST_CUDA"     // the buffer is GPU memory of this (fake) libcuda's device 0
 	rdmaEnv     = "KVFERRY_TEST_VERBS"    // the target speaks rdma over this libibverbs
+	shmEnv      = "KVFERRY_TEST_SHM"      // "1": the target takes shm (Options.Protocol "shm")
+	hostBufEnv  = "KVFERRY_TEST_HOST_BUF" // "1": with cudaEnv, the driver is loaded but the buffer is host memory
 )
 
 func TestMain(m *testing.M) {
@@ -86,13 +88,16 @@ func runHelper(mode string) int {
 	if lib := os.Getenv(rdmaEnv); lib != "" {
 		opts.Protocol, opts.RDMALibrary = "rdma", lib
 	}
+	if os.Getenv(shmEnv) == "1" {
+		opts.Protocol = "shm"
+	}
 	e, err := engine.New(opts)
 	if err != nil {
 		return fail("new engine: %v", err)
 	}
 	var buf []byte
 	freeGPU := func() {}
-	if cudaLib != "" {
+	if cudaLib != "" && os.Getenv(hostBufEnv) != "1" {
 		// GPU memory of device 0 of the (fake) driver, registered as
 		// cuda:0 and filled through the driver.
 		var drv *cuda.Driver
@@ -171,6 +176,8 @@ type targetConfig struct {
 	seed     uint64 // 0: leave the buffer as mapped (zeros)
 	progress uint64 // 0: no progress line
 	rdma     string // a libibverbs: the target speaks rdma over it
+	shm      bool   // the target takes shm, the same-host transport
+	hostBuf  bool   // with cuda: the driver is loaded, the buffer is host memory
 }
 
 // startTarget runs the target process and waits for its segment line. It is
@@ -190,6 +197,12 @@ func startTarget(t *testing.T, cfg targetConfig) *target {
 	}
 	if cfg.rdma != "" {
 		env = append(env, rdmaEnv+"="+cfg.rdma)
+	}
+	if cfg.shm {
+		env = append(env, shmEnv+"=1")
+	}
+	if cfg.hostBuf {
+		env = append(env, hostBufEnv+"=1")
 	}
 	proc := childproc.Start(t, childproc.Config{Name: "target", Env: env})
 	tp := &target{proc: proc, lines: proc.Lines(), size: cfg.size}

@@ -141,7 +141,7 @@ func (e *Engine) startSHM() error {
 		e.log.Debug("kvferry: shm not used: authentication is on, peers on this host go over tcp")
 		return nil
 	}
-	t, err := shm.New(shm.Options{IOTimeout: e.opts.IOTimeout, Logger: e.log, ApplyDelay: e.opts.Testing.ApplyDelay})
+	t, err := shm.New(shm.Options{IOTimeout: e.opts.IOTimeout, Logger: e.log, ApplyDelay: e.opts.Testing.ApplyDelay, GPU: ipcGPU{e}})
 	if err == nil {
 		var addr string
 		if addr, err = t.Listen(e); err == nil {

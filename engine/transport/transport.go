@@ -144,6 +144,15 @@ func StageCopy(g Guard, copy func() error) error {
 	return nil
 }
 
+// DeviceStage is an optional ability of a Target's Stage whose owner memory
+// is GPU memory: Device names the device and the access's address in it,
+// so that a transport that reaches the initiator's GPU memory too (shm,
+// through CUDA IPC) copies device to device, inside the guard, instead of
+// through the staging buffer.
+type DeviceStage interface {
+	Device() (ordinal int, addr uint64)
+}
+
 // DirectGPU is an optional ability of endpoints that move GPU memory
 // without host staging (rdma with GPUDirect registration): the engine
 // stages GPU slices through host memory for the others.

@@ -3,9 +3,11 @@
 // libcuda.so.1 (KVFERRY_CUDA_LIBRARY=build/fakecuda/libcuda.so.1) and
 // dlsym()s the entry points by the names the real driver exports.
 //
-// "Device memory" is anonymous host memory of the process (mmap, with a
+// "Device memory" is shared memory of the process (a memfd mapped, with a
 // PROT_NONE guard page after each allocation) that the fake records as
-// memory of the device of the context current at cuMemAlloc. The fake
+// memory of the device of the context current at cuMemAlloc. Its memfd is
+// what an IPC handle names: another process opens the handle by opening
+// the exporter's descriptor through /proc and mapping it. The fake
 // libibverbs, process_vm_readv and plain loads can all reach it, which is
 // what lets GPU-memory transfers be tested without a GPU. Copies run
 // synchronously in the calling thread, so every stream is always idle and
@@ -18,7 +20,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -96,6 +100,8 @@ struct fc_range {
 	int kind, dev;
 	struct fc_ctx *ctx;
 	unsigned long long id;
+	int fd;       // R_DEV: the memfd behind the mapping (-1: none)
+	int imported; // R_DEV: mapped from another process's IPC handle
 };
 struct fc_rule {
 	int used, delay; // delay: sleep us per call; else the left-th call fails with code
@@ -117,7 +123,7 @@ static size_t g_nranges, g_capranges;
 static struct fc_rule g_rules[FC_MAX_RULES];
 static unsigned long long g_next_id = 1;
 static long s_allocs, s_bytes, s_copies, s_ctx_created, s_ctx_mask, s_host_allocs, s_host_bytes, s_registered,
-    s_dmabufs;
+    s_dmabufs, s_ipc_exported, s_ipc_opened, s_ipc_open;
 static __thread struct fc_ctx *t_cur;
 
 // Every cu* entry point, for validating fault commands.
@@ -132,6 +138,7 @@ static const char *const k_ops[] = {
 	"cuStreamCreate", "cuStreamSynchronize", "cuStreamQuery", "cuStreamDestroy_v2", "cuEventCreate",
 	"cuEventRecord", "cuEventQuery", "cuEventSynchronize", "cuEventDestroy_v2",
 	"cuMemGetHandleForAddressRange", "cuGetErrorString", "cuGetErrorName",
+	"cuIpcGetMemHandle", "cuIpcOpenMemHandle_v2", "cuIpcCloseMemHandle",
 };
 
 // Per entry point (index in k_ops): calls so far, counted on entry before any
@@ -354,6 +361,8 @@ EXPORT long fakecuda_stats(const char *what) {
 		{"ctx_dev_mask", &s_ctx_mask},   {"host_allocs", &s_host_allocs},
 		{"host_bytes", &s_host_bytes},   {"registered", &s_registered},
 		{"dmabufs", &s_dmabufs},
+		{"ipc_exported", &s_ipc_exported}, {"ipc_opened", &s_ipc_opened},
+		{"ipc_open", &s_ipc_open},
 	};
 	long r = -1;
 	// "calls:<op>" and "running:<op>": per entry point, without the lock.
@@ -441,10 +450,16 @@ static void range_remove(size_t i) {
 	}
 	if (r.mapped)
 		munmap((void *)r.base, r.mapped + g_page);
+	if (r.kind == R_DEV && r.fd >= 0)
+		close(r.fd);
+	if (r.imported)
+		s_ipc_open--;
 }
 
 // Maps n bytes (rounded up to pages) plus a PROT_NONE guard page after them
-// and records the range; the caller has checked n > 0.
+// and records the range; the caller has checked n > 0. Device memory
+// (R_DEV) is a memfd of its own, so that an IPC handle can name it; r.fd,
+// when it is already one (an imported handle), is mapped instead.
 static CUresult map_range(struct fc_range r, void **out) {
 	if (r.size > SIZE_MAX - 2 * g_page)
 		return CUDA_ERROR_OUT_OF_MEMORY;
@@ -453,8 +468,28 @@ static CUresult map_range(struct fc_range r, void **out) {
 	               -1, 0);
 	if (p == MAP_FAILED)
 		return CUDA_ERROR_OUT_OF_MEMORY;
+	int own = 0;
+	if (r.kind == R_DEV && r.fd < 0) {
+		r.fd = memfd_create("fakecuda-device-memory", MFD_CLOEXEC);
+		own = r.fd >= 0;
+		if (r.fd < 0 || ftruncate(r.fd, (off_t)r.mapped) != 0) {
+			if (own)
+				close(r.fd);
+			munmap(p, r.mapped + g_page);
+			return CUDA_ERROR_OUT_OF_MEMORY;
+		}
+	}
+	if (r.kind == R_DEV &&
+	    mmap(p, r.mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_NORESERVE, r.fd, 0) == MAP_FAILED) {
+		if (own)
+			close(r.fd);
+		munmap(p, r.mapped + g_page);
+		return CUDA_ERROR_OUT_OF_MEMORY;
+	}
 	r.base = (uintptr_t)p;
 	if (mprotect((char *)p + r.mapped, g_page, PROT_NONE) != 0 || range_insert(r) != CUDA_SUCCESS) {
+		if (own)
+			close(r.fd);
 		munmap(p, r.mapped + g_page);
 		return CUDA_ERROR_OUT_OF_MEMORY;
 	}
@@ -780,7 +815,7 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
 	if (rc == CUDA_SUCCESS && bytesize > g_mem - g_used[c->dev])
 		rc = CUDA_ERROR_OUT_OF_MEMORY;
 	if (rc == CUDA_SUCCESS)
-		rc = map_range((struct fc_range){.size = bytesize, .kind = R_DEV, .dev = c->dev, .ctx = c}, &p);
+		rc = map_range((struct fc_range){.size = bytesize, .kind = R_DEV, .dev = c->dev, .ctx = c, .fd = -1}, &p);
 	if (rc == CUDA_SUCCESS)
 		*dptr = (CUdeviceptr)(uintptr_t)p;
 	UNLOCK();
@@ -791,7 +826,7 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
 static CUresult free_range(uintptr_t p, int kind, CUresult bad) {
 	LOCK();
 	long i = range_floor(p);
-	int ok = i >= 0 && g_ranges[i].base == p && g_ranges[i].kind == kind;
+	int ok = i >= 0 && g_ranges[i].base == p && g_ranges[i].kind == kind && !g_ranges[i].imported;
 	if (ok)
 		range_remove((size_t)i);
 	UNLOCK();
@@ -1133,3 +1168,92 @@ static CUresult error_text(CUresult e, const char **out, int name) {
 EXPORT CUresult cuGetErrorString(CUresult e, const char **out) { return error_text(e, out, 0); }
 
 EXPORT CUresult cuGetErrorName(CUresult e, const char **out) { return error_text(e, out, 1); }
+
+// ---------------------------------------------------------------------------
+// IPC: a handle names the exporter's process, the memfd behind the
+// allocation and its size; the importer opens that descriptor through
+// /proc (which needs the same user, as the driver's IPC does) and maps it
+// as memory of its current context's device. The layout is the fake's own:
+// the handle is opaque to its users, as the driver's is. As the driver
+// does, the fake refuses a handle of the calling process itself.
+
+typedef struct {
+	char reserved[64];
+} CUipcMemHandle;
+
+struct fc_ipc {
+	char magic[8]; // "FCIPC1"
+	int32_t pid, fd;
+	uint64_t size, mapped, id;
+};
+
+EXPORT CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr dptr) {
+	BEGIN();
+	NEED(h != NULL, CUDA_ERROR_INVALID_VALUE);
+	LOCK();
+	struct fc_range *r = range_at((uintptr_t)dptr);
+	int ok = r != NULL && r->kind == R_DEV && r->base == (uintptr_t)dptr && !r->imported && r->fd >= 0;
+	if (ok) {
+		struct fc_ipc in = {.magic = "FCIPC1", .pid = getpid(), .fd = r->fd, .size = r->size, .mapped = r->mapped,
+		                    .id = r->id};
+		memset(h, 0, sizeof(*h));
+		memcpy(h, &in, sizeof(in));
+		s_ipc_exported++;
+	}
+	UNLOCK();
+	return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle h, unsigned int flags) {
+	BEGIN();
+	NEED(pdptr != NULL && flags <= 1, CUDA_ERROR_INVALID_VALUE); // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
+	struct fc_ipc in;
+	memcpy(&in, &h, sizeof(in));
+	NEED(memcmp(in.magic, "FCIPC1", 7) == 0 && in.size > 0 && in.mapped >= in.size, CUDA_ERROR_INVALID_VALUE);
+	if (in.pid == getpid())
+		return CUDA_ERROR_INVALID_CONTEXT;
+	char path[64];
+	snprintf(path, sizeof(path), "/proc/%d/fd/%d", (int)in.pid, (int)in.fd);
+	int fd = open(path, O_RDWR | O_CLOEXEC);
+	if (fd < 0)
+		return CUDA_ERROR_INVALID_VALUE;
+	struct stat st;
+	if (fstat(fd, &st) != 0 || st.st_size < 0 || (uint64_t)st.st_size != in.mapped) {
+		close(fd);
+		return CUDA_ERROR_INVALID_VALUE;
+	}
+	struct fc_ctx *c;
+	void *p = NULL;
+	LOCK();
+	CUresult rc = current(&c);
+	if (rc == CUDA_SUCCESS)
+		rc = map_range((struct fc_range){.size = in.size, .kind = R_DEV, .dev = c->dev, .ctx = c, .fd = fd, .imported = 1}, &p);
+	if (rc == CUDA_SUCCESS) {
+		*pdptr = (CUdeviceptr)(uintptr_t)p;
+		s_ipc_opened++;
+		s_ipc_open++;
+		// Imported memory is not an allocation of this process.
+		g_used[c->dev] -= in.size;
+		s_bytes -= (long)in.size;
+		s_allocs--;
+	}
+	UNLOCK();
+	if (rc != CUDA_SUCCESS)
+		close(fd);
+	return rc;
+}
+
+EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr dptr) {
+	BEGIN();
+	LOCK();
+	long i = range_floor((uintptr_t)dptr);
+	int ok = i >= 0 && g_ranges[i].base == (uintptr_t)dptr && g_ranges[i].imported;
+	if (ok) {
+		g_used[g_ranges[i].dev] += g_ranges[i].size; // range_remove takes them off again
+		s_bytes += (long)g_ranges[i].size;
+		s_allocs++;
+		range_remove((size_t)i);
+	}
+	UNLOCK();
+	return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}

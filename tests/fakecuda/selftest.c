@@ -63,6 +63,13 @@ static CUresult (*cuEventRecord)(CUevent, CUstream);
 static CUresult (*cuEventQuery)(CUevent);
 static CUresult (*cuEventSynchronize)(CUevent);
 static CUresult (*cuEventDestroy_v2)(CUevent);
+typedef struct {
+	char reserved[64];
+} CUipcMemHandle;
+static CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
+static CUresult (*cuIpcOpenMemHandle_v2)(CUdeviceptr *, CUipcMemHandle, unsigned);
+static CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
+static long (*fakecuda_stats_fn)(const char *);
 static CUresult (*cuMemGetHandleForAddressRange)(void *, CUdeviceptr, size_t, int, unsigned long long);
 static CUresult (*cuGetErrorString)(CUresult, const char **);
 static CUresult (*cuGetErrorName)(CUresult, const char **);
@@ -121,6 +128,8 @@ static void load(const char *path) {
 	SYM(cuMemGetAddressRange_v2); SYM(cuPointerGetAttribute); SYM(cuPointerGetAttributes); SYM(cuMemHostAlloc);
 	SYM(cuMemFreeHost); SYM(cuMemHostRegister_v2); SYM(cuMemHostUnregister); SYM(cuMemcpyHtoD_v2);
 	SYM(cuMemcpyDtoH_v2); SYM(cuMemcpyDtoD_v2); SYM(cuMemcpy); SYM(cuMemcpyHtoDAsync_v2); SYM(cuMemcpyDtoHAsync_v2);
+	SYM(cuIpcGetMemHandle); SYM(cuIpcOpenMemHandle_v2); SYM(cuIpcCloseMemHandle);
+	*(void **)&fakecuda_stats_fn = dlsym(lib, "fakecuda_stats");
 	SYM(cuStreamCreate); SYM(cuStreamSynchronize); SYM(cuStreamQuery); SYM(cuStreamDestroy_v2); SYM(cuEventCreate);
 	SYM(cuEventRecord); SYM(cuEventQuery); SYM(cuEventSynchronize); SYM(cuEventDestroy_v2);
 	SYM(cuMemGetHandleForAddressRange); SYM(cuGetErrorString); SYM(cuGetErrorName); SYM(fakecuda_control);
@@ -573,6 +582,56 @@ static int run_child(const char *name) {
 	return failures ? 1 : 0;
 }
 
+// IPC: a handle of device memory opens in another process (a forked child)
+// as device memory of its own, which reads what the exporter wrote and
+// writes what the exporter then reads; the exporter itself may not open it,
+// the memory cannot be freed through the import, and closing the import
+// leaves the exporter's memory alive.
+static void check_ipc(void) {
+	enum { N = 3 * 4096 + 5 };
+	CUcontext c = NULL;
+	CUdeviceptr p = 0, q = 0;
+	CUipcMemHandle h;
+	EQ(cuDevicePrimaryCtxRetain(&c, 0), OK);
+	EQ(cuCtxSetCurrent(c), OK);
+	EQ(cuMemAlloc_v2(&p, N), OK);
+	memset((void *)(uintptr_t)p, 0x5a, N);
+	EQ(cuIpcGetMemHandle(&h, p + 1), INVALID_VALUE); // not the allocation's base
+	EQ(cuIpcGetMemHandle(&h, p), OK);
+	EQ(cuIpcOpenMemHandle_v2(&q, h, 1), INVALID_CONTEXT); // the exporter's own handle
+	pid_t pid = fork();
+	if (pid == 0) {
+		// The child: a process of its own with the library's state copied;
+		// it opens the parent's handle as another process would.
+		int rc = 0;
+		CUdeviceptr r = 0, base = 0;
+		size_t size = 0;
+		unsigned char b[N];
+		rc |= cuIpcOpenMemHandle_v2(&r, h, 1) != OK;
+		rc |= cuMemGetAddressRange_v2(&base, &size, r + 7) != OK || base != r || size != N;
+		rc |= cuMemcpyDtoH_v2(b, r, N) != OK;
+		for (int i = 0; i < N; i++)
+			rc |= b[i] != 0x5a;
+		memset(b, 0xc3, N);
+		rc |= cuMemcpyHtoD_v2(r, b, N) != OK;
+		rc |= cuMemFree_v2(r) != INVALID_VALUE; // an import is closed, not freed
+		rc |= cuIpcCloseMemHandle(r) != OK;
+		rc |= cuIpcCloseMemHandle(r) != INVALID_VALUE;
+		_exit(rc ? 1 : 0);
+	}
+	int status = 0;
+	EQ(waitpid(pid, &status, 0), pid);
+	EQ(WIFEXITED(status) && WEXITSTATUS(status) == 0, 1);
+	unsigned char *m = (unsigned char *)(uintptr_t)p;
+	int seen = 1;
+	for (int i = 0; i < N; i++)
+		seen &= m[i] == 0xc3;
+	EQ(seen, 1); // the child's bytes, in the exporter's memory
+	if (fakecuda_stats_fn != NULL)
+		EQ(fakecuda_stats_fn("ipc_exported") >= 1, 1);
+	EQ(cuMemFree_v2(p), OK);
+}
+
 int main(int argc, char **argv) {
 	if (argc < 2) {
 		fprintf(stderr, "usage: %s path/to/libcuda.so.1\n", argv[0]);
@@ -599,6 +658,7 @@ int main(int argc, char **argv) {
 	check_devices();
 	check_contexts();
 	check_errors();
+	check_ipc();
 
 	static const char *const nodev[] = {"FAKECUDA_DEVICES", "0", NULL};
 	static const char *const env[] = {"FAKECUDA_DEVICES", "3", "FAKECUDA_BUS_BASE", "0x40", "FAKECUDA_MEM", "1M",

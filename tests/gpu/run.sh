@@ -3,8 +3,9 @@
 # (libcuda.so.1), from what tests/gpu/build.sh built elsewhere (build/gpu):
 # device memory registered (cuda:N and "*" detection), data moved
 # GPU->GPU and GPU<->CPU between two processes over tcp through host staging
-# with every byte checked, and the staging throughput of one process
-# printed. Bounded to 3 minutes. Exit status: the tests'.
+# and over shm through CUDA IPC (the owner opens the initiator's allocation
+# and copies device to device), with every byte checked, and the staging
+# throughput of one process printed. Bounded to 3 minutes. Exit status: the tests'.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dir=build/gpu
@@ -24,6 +25,6 @@ if grep -q -- '--- SKIP' <<<"$out"; then
 fi
 cd engine
 timeout 150 ../"$dir"/engine.test -test.v -test.count=1 \
-  -test.run '^(TestGPUTransfersOverTCPThroughStaging|TestTwoProcessesGPUOverTCP)$' 2>&1 |
+  -test.run '^(TestGPUTransfersOverTCPThroughStaging|TestTwoProcessesGPUOverTCP|TestTwoProcessesGPUOverSHMThroughIPC|TestTwoProcessesGPUToHostMemoryOverSHM)$' 2>&1 |
   grep -v 'level=INFO'
 exit "${PIPESTATUS[0]}"

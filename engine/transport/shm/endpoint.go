@@ -4,9 +4,12 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"net"
+	"os"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -33,6 +36,7 @@ type endpoint struct {
 	owner    peerProc
 	lease    *lease
 	attach   bool
+	gpu      bool // the owner opens our GPU memory by IPC handles
 	fallback FallbackDialer
 
 	mu       sync.Mutex
@@ -119,6 +123,9 @@ func newEndpoint(t *Transport, conn *net.UnixConn, self string, deadline time.Ti
 		return fail(fmt.Errorf("%w: HELLO answered with type %d status %d", transport.ErrRefused, ack.typ, ack.status))
 	}
 	ep.attach = ack.epoch&helloAttach != 0 && *probe != 0
+	// The driver opens no IPC handle of the calling process itself: an
+	// owner in our own process gets our GPU memory staged.
+	ep.gpu = ack.epoch&helloGPU != 0 && t.opts.GPU != nil && ep.owner.pid != os.Getpid()
 	_ = conn.SetDeadline(time.Time{})
 	ep.wg.Add(2)
 	go ep.send()
@@ -260,7 +267,11 @@ func (ep *endpoint) sendQueued(inline bool) error {
 				continue // canceled while queued
 			}
 			var h header
-			if out, h, err = ep.reach(s, out); err != nil {
+			if out, h, err = ep.reach(s, out); errors.Is(err, errGPUUnreachable) {
+				s.Finish(err)
+				err = nil
+				continue
+			} else if err != nil {
 				s.Advance(transport.StateActive, transport.StateQueued)
 				ep.requeue(batch[i:])
 				break
@@ -355,6 +366,9 @@ func (ep *endpoint) reach(s *transport.Slice, out []byte) ([]byte, header, error
 		return out, h, nil
 	}
 	addr, n := memory.AddrOf(s.Local), uint64(len(s.Local))
+	if isGPU(s.LocalReg) {
+		return ep.reachGPU(addr, n, out)
+	}
 	f, ok, _ := memory.Shared(addr, n, false)
 	if ok && !ep.shared[f.ID] {
 		var err error
@@ -380,6 +394,37 @@ func (ep *endpoint) reach(s *transport.Slice, out []byte) ([]byte, header, error
 		h.status, h.local = reachAttach, addr
 		ep.t.stats.attach.Add(1)
 	}
+	return out, h, nil
+}
+
+// isGPU reports whether a region is GPU memory (location "cuda:N").
+func isGPU(r *memory.Region) bool { return strings.HasPrefix(r.Location, "cuda:") }
+
+// errGPUUnreachable ends a slice of GPU memory the owner cannot be given
+// (the engine stages GPU memory for paths without DirectGPU, so only a
+// failed export gets here).
+var errGPUUnreachable = errors.New("shm: GPU memory the owner cannot open")
+
+// reachGPU shares the allocation of GPU memory holding the slice (its IPC
+// handle, once per connection) and names it.
+func (ep *endpoint) reachGPU(addr, n uint64, out []byte) ([]byte, header, error) {
+	var h header
+	if !ep.gpu {
+		return out, h, errGPUUnreachable
+	}
+	g, err := ep.t.gpuShare(addr, n)
+	if err != nil {
+		return out, h, fmt.Errorf("%w: %w", errGPUUnreachable, err)
+	}
+	if !ep.shared[g.id] {
+		fr := header{typ: frameShareGPU, local: g.id, offset: g.size, length: uint32(IPCHandleSize + len(g.bus))}
+		out = appendFrame(out, &fr)
+		out = append(out, g.handle[:]...)
+		out = append(out, g.bus...)
+		ep.shared[g.id] = true
+	}
+	h.status, h.local, h.offset = reachGPU, g.id, addr-g.base
+	ep.t.stats.gpu.Add(1)
 	return out, h, nil
 }
 
@@ -560,6 +605,10 @@ func (ep *endpoint) Abort(reason error) {
 	ep.fail(reason)
 	<-ep.finished
 }
+
+// DirectGPU reports whether the owner copies our GPU memory itself, through
+// CUDA IPC (transport.DirectGPU); otherwise the engine stages it.
+func (ep *endpoint) DirectGPU() bool { return ep.gpu }
 
 // Dead reports whether the path failed or was aborted.
 func (ep *endpoint) Dead() bool { return ep.dead.Load() }

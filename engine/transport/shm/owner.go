@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -30,7 +31,16 @@ type ownerConn struct {
 	oob        []byte
 
 	shares  map[uint64][]byte // the initiator's buffers, mapped, by share id
-	answers []byte            // ANSWERs not yet written
+	gpu     bool              // we open CUDA IPC handles (opts.GPU is available)
+	gpus    map[uint64]gpuShare
+	answers []byte // ANSWERs not yet written
+}
+
+// gpuShare is an allocation of the initiator's GPU memory, opened here by
+// its IPC handle.
+type gpuShare struct {
+	ordinal    int
+	addr, size uint64
 }
 
 // Bounds on what one initiator can make the owner hold.
@@ -48,7 +58,7 @@ const ChunkSize = 512 << 10
 // serve runs one accepted connection until the peer closes or breaks the
 // protocol.
 func (t *Transport) serve(conn *net.UnixConn) {
-	c := &ownerConn{t: t, conn: conn, shares: map[uint64][]byte{}, oob: make([]byte, unix.CmsgSpace(4*maxPendingFDs))}
+	c := &ownerConn{t: t, conn: conn, shares: map[uint64][]byte{}, gpus: map[uint64]gpuShare{}, oob: make([]byte, unix.CmsgSpace(4*maxPendingFDs))}
 	defer c.close()
 	var err error
 	if c.peer, err = peerOf(conn); err != nil {
@@ -68,10 +78,16 @@ func (t *Transport) serve(conn *net.UnixConn) {
 		switch h.typ {
 		case frameShare:
 			err = c.share(&h)
+		case frameShareGPU:
+			err = c.shareGPU(&h)
 		case frameUnshare:
 			if m, ok := c.shares[h.local]; ok {
 				_ = unix.Munmap(m)
 				delete(c.shares, h.local)
+			}
+			if g, ok := c.gpus[h.local]; ok {
+				t.opts.GPU.Close(g.ordinal, g.addr)
+				delete(c.gpus, h.local)
 			}
 		case frameWrite, frameRead:
 			c.serveSlice(&h)
@@ -126,6 +142,10 @@ func (c *ownerConn) handshake() error {
 		_ = c.flush()
 		t.stats.refusedPeers.Add(1)
 		return fmt.Errorf("peer uid %d is not ours (%d)", c.peer.uid, unix.Geteuid())
+	}
+	if t.opts.GPU != nil && t.opts.GPU.Available() {
+		c.gpu = true
+		ack.epoch |= helloGPU
 	}
 	if err := c.peer.probeAttach(h.local, h.offset); err == nil {
 		c.attach = true
@@ -242,6 +262,41 @@ func (c *ownerConn) share(h *header) error {
 	return nil
 }
 
+// shareGPU opens an allocation of the initiator's GPU memory by its IPC
+// handle. A handle that does not open is not a broken protocol (the
+// driver may refuse it): the slices naming it are refused as unreachable.
+func (c *ownerConn) shareGPU(h *header) error {
+	for c.end-c.start < int(h.length) {
+		if err := c.fill(); err != nil {
+			return err
+		}
+	}
+	var handle [IPCHandleSize]byte
+	copy(handle[:], c.buf[c.start:])
+	bus := string(c.buf[c.start+IPCHandleSize : c.start+int(h.length)])
+	c.start += int(h.length)
+	if _, ok := c.gpus[h.local]; ok {
+		return fmt.Errorf("%w: GPU share %d sent twice", errBadFrame, h.local)
+	}
+	if len(c.gpus) >= maxShares {
+		return fmt.Errorf("%w: more than %d GPU allocations shared", errBadFrame, maxShares)
+	}
+	if !c.gpu {
+		return fmt.Errorf("%w: SHARE_GPU to an owner that said it opens no IPC handle", errBadFrame)
+	}
+	ord, addr, size, err := c.t.opts.GPU.Import(handle, bus)
+	if err != nil {
+		c.t.warn.Warn("ipc "+c.name, "shm: a peer's CUDA IPC handle does not open here; its slices are refused", "peer", c.name, "bus", bus, "err", err)
+		return nil
+	}
+	if size < h.offset {
+		c.t.opts.GPU.Close(ord, addr)
+		return fmt.Errorf("%w: GPU share %d of %d bytes, %d announced", errBadFrame, h.local, size, h.offset)
+	}
+	c.gpus[h.local] = gpuShare{ordinal: ord, addr: addr, size: h.offset}
+	return nil
+}
+
 // serveSlice admits one slice and copies it, then queues its ANSWER.
 func (c *ownerConn) serveSlice(h *header) {
 	t := c.t
@@ -256,7 +311,16 @@ func (c *ownerConn) serveSlice(h *header) {
 	// The initiator's side first: a slice naming memory we cannot reach is
 	// refused before it is admitted.
 	var view []byte
+	var gs *gpuShare
 	switch h.status {
+	case reachGPU:
+		g, ok := c.gpus[h.local]
+		if !ok || h.offset > g.size || uint64(h.length) > g.size-h.offset {
+			c.refuse(&ans, fmt.Errorf("%w: GPU share %d [%d, +%d)", errUnreachable, h.local, h.offset, h.length))
+			return
+		}
+		g.addr += h.offset // the slice's start
+		gs = &g
 	case reachShared:
 		m := c.shares[h.local]
 		if m == nil || h.offset > uint64(len(m)) || uint64(h.length) > uint64(len(m))-h.offset {
@@ -281,7 +345,13 @@ func (c *ownerConn) serveSlice(h *header) {
 	if t.opts.ApplyDelay > 0 {
 		time.Sleep(t.opts.ApplyDelay)
 	}
-	moved, refusal := c.copySlice(a.Op, tgt, view, h.local)
+	var moved int
+	var refusal error
+	if gs != nil {
+		moved, refusal = c.copyGPU(a.Op, tgt, *gs)
+	} else {
+		moved, refusal = c.copySlice(a.Op, tgt, view, h.local)
+	}
 	if a.Op == transport.Write {
 		t.stats.bytesIn.Add(uint64(moved))
 	} else {
@@ -348,6 +418,72 @@ func (c *ownerConn) copySlice(op transport.Op, tgt transport.Target, view []byte
 	return moved, nil
 }
 
+// gpuChunk is how many bytes of GPU memory the owner copies under one
+// guard: the driver's copies run at tens to hundreds of GB/s, so a chunk
+// this size still ends within tens of microseconds.
+const gpuChunk = 4 << 20
+
+// copyGPU moves a slice between the initiator's GPU memory (opened by its
+// IPC handle: src.addr is the slice's start there) and the owner's memory,
+// chunk by chunk under the owner's guard and the initiator's lease: device
+// to device where the owner's memory is GPU memory too (its Stage names
+// it), else between the device and the owner's host memory. Each copy has
+// ended when the driver returns.
+func (c *ownerConn) copyGPU(op transport.Op, tgt transport.Target, src gpuShare) (int, error) {
+	gpu := c.t.opts.GPU
+	ds, device := tgt.Stage.(transport.DeviceStage)
+	var devAddr uint64
+	if device {
+		_, devAddr = ds.Device()
+	}
+	staged := tgt.Stage != nil && !device
+	if op == transport.Read && staged {
+		if err := transport.StageCopy(tgt.Guard, tgt.Stage.Fill); err != nil {
+			return 0, err
+		}
+	}
+	moved := 0
+	for moved < len(tgt.Mem) {
+		n := min(gpuChunk, len(tgt.Mem)-moved)
+		if err := tgt.Guard.Enter(); err != nil {
+			return moved, err
+		}
+		leased := !c.t.opts.UnsafeIgnoreLease
+		if leased && !c.lease.enter() {
+			tgt.Guard.Leave()
+			return moved, fmt.Errorf("%w: %w", errUnreachable, errRevoked)
+		}
+		peer := src.addr + uint64(moved)
+		var err error
+		switch {
+		case device && op == transport.Write:
+			err = gpu.Copy(src.ordinal, copyDtoD, devAddr+uint64(moved), peer, uint64(n))
+		case device:
+			err = gpu.Copy(src.ordinal, copyDtoD, peer, devAddr+uint64(moved), uint64(n))
+		case op == transport.Write:
+			err = gpu.Copy(src.ordinal, copyDtoH, addrOf(tgt.Mem[moved:]), peer, uint64(n))
+		default:
+			err = gpu.Copy(src.ordinal, copyHtoD, peer, addrOf(tgt.Mem[moved:]), uint64(n))
+		}
+		if leased {
+			c.lease.leave()
+		}
+		tgt.Guard.Leave()
+		if err != nil {
+			return moved, fmt.Errorf("%w: %w", errUnreachable, err)
+		}
+		moved += n
+	}
+	if op == transport.Write && staged {
+		if err := transport.StageCopy(tgt.Guard, tgt.Stage.Flush); err != nil {
+			return 0, err
+		}
+	}
+	return moved, nil
+}
+
+func addrOf(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
+
 func (c *ownerConn) refuse(ans *header, err error) {
 	ans.status = statusOf(err)
 	c.t.stats.refused.Add(1)
@@ -378,6 +514,10 @@ func (c *ownerConn) close() {
 	for id, m := range c.shares {
 		_ = unix.Munmap(m)
 		delete(c.shares, id)
+	}
+	for id, g := range c.gpus {
+		c.t.opts.GPU.Close(g.ordinal, g.addr)
+		delete(c.gpus, id)
 	}
 	if c.lease != nil {
 		c.lease.unmap()

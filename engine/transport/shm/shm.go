@@ -64,6 +64,12 @@ type Options struct {
 	// NoAttach is for tests only: the initiator announces no probe, so the
 	// owner never uses cross-memory attach with it.
 	NoAttach bool
+	// GPU, when set, moves GPU memory of both ends through CUDA IPC: the
+	// owner opens the initiator's allocations by their IPC handles and
+	// copies with the driver, device to device where its own memory is
+	// GPU memory too. Nil: the engine stages GPU memory through host
+	// memory, as for tcp.
+	GPU GPU
 	// UnsafeIgnoreLease is for tests only: the owner copies into and out
 	// of initiators' memory without their lease, so a stopped path can
 	// still be written after its Abort returned (the row that shows the
@@ -81,6 +87,33 @@ func (o *Options) fill() {
 	}
 }
 
+// GPU is what the transport needs of the CUDA driver (the engine's).
+type GPU interface {
+	// Available reports whether the driver is loaded and lists a GPU; it
+	// may load it.
+	Available() bool
+	// Export returns the IPC handle of the allocation holding
+	// [addr, addr+n) of device memory, the allocation's base and size, and
+	// the PCI bus id of its device.
+	Export(addr, n uint64) (h [IPCHandleSize]byte, base, size uint64, bus string, err error)
+	// Import opens a handle another process exported, on the device with
+	// PCI bus id bus (another one where none has it), and returns that
+	// device, the allocation's address here, and its size.
+	Import(h [IPCHandleSize]byte, bus string) (ordinal int, addr, size uint64, err error)
+	// Close unmaps what Import mapped.
+	Close(ordinal int, addr uint64)
+	// Copy copies n bytes on ordinal's context and returns once they were
+	// copied: kind 1 host to device, 2 device to host, 3 device to device.
+	Copy(ordinal, kind int, dst, src, n uint64) error
+}
+
+// Copy directions of GPU.Copy.
+const (
+	copyHtoD = 1
+	copyDtoH = 2
+	copyDtoD = 3
+)
+
 // Stats are the transport's counters.
 type Stats struct {
 	BytesIn          uint64 // bytes written into owner memory by peers
@@ -92,13 +125,14 @@ type Stats struct {
 	Conns            int64  // accepted connections open now
 	SharedSlices     uint64 // our slices the owner copied through a shared buffer's view
 	AttachSlices     uint64 // our slices the owner copied by cross-memory attach
+	GPUSlices        uint64 // our slices of GPU memory the owner copied through CUDA IPC
 	FallbackSlices   uint64 // our slices sent over tcp: neither way reached their memory
 	StopsUnconfirmed uint64 // our paths stopped without the owner confirming it left our memory
 }
 
 type counters struct {
 	bytesIn, bytesOut, refused, refusedInFlight, protocolErrors, refusedPeers atomic.Uint64
-	shared, attach, fallback, unconfirmed                                     atomic.Uint64
+	shared, attach, fallback, unconfirmed, gpu                                atomic.Uint64
 	conns                                                                     atomic.Int64
 }
 
@@ -111,6 +145,11 @@ type Transport struct {
 	wg     sync.WaitGroup
 	stats  counters
 	warn   *ratelog.Limiter
+
+	// GPU allocations exported to owners, by base (see gpuShare).
+	gpuMu     sync.Mutex
+	gpuShares []*gpuExport
+	gpuNext   uint64
 
 	mu        sync.Mutex
 	closing   bool
@@ -327,6 +366,65 @@ func (t *Transport) sharedFreed(id uint64) {
 	}
 }
 
+// gpuExport is an allocation of our GPU memory exported by its IPC handle.
+type gpuExport struct {
+	id, base, size uint64
+	handle         [IPCHandleSize]byte
+	bus            string
+}
+
+// gpuIDBit marks the share ids of GPU allocations, so they never meet the
+// ids of shareable host buffers (memory.Shared) in an owner's tables.
+const gpuIDBit = 1 << 63
+
+// gpuShare returns the export of the allocation holding [addr, addr+n),
+// exporting it on first use.
+func (t *Transport) gpuShare(addr, n uint64) (*gpuExport, error) {
+	t.gpuMu.Lock()
+	defer t.gpuMu.Unlock()
+	for _, g := range t.gpuShares {
+		if addr >= g.base && n <= g.size && addr-g.base <= g.size-n {
+			return g, nil
+		}
+	}
+	h, base, size, bus, err := t.opts.GPU.Export(addr, n)
+	if err != nil {
+		return nil, err
+	}
+	if len(bus) > maxBusID || addr < base || addr+n > base+size {
+		return nil, fmt.Errorf("export of [%#x, +%d): allocation [%#x, +%d) on %q", addr, n, base, size, bus)
+	}
+	t.gpuNext++
+	g := &gpuExport{id: gpuIDBit | t.gpuNext, base: base, size: size, handle: h, bus: bus}
+	t.gpuShares = append(t.gpuShares, g)
+	return g, nil
+}
+
+// gpuUnregistered forgets the exports of allocations that regions of GPU
+// memory lay in, and has every owner that opened them close them: the
+// allocation may be freed next. A later slice exports it again.
+func (t *Transport) gpuUnregistered(regs []*memory.Region) {
+	var gone []uint64
+	t.gpuMu.Lock()
+	kept := t.gpuShares[:0]
+	for _, g := range t.gpuShares {
+		hit := false
+		for _, r := range regs {
+			hit = hit || (isGPU(r) && r.Addr < g.base+g.size && g.base < r.End())
+		}
+		if hit {
+			gone = append(gone, g.id)
+		} else {
+			kept = append(kept, g)
+		}
+	}
+	t.gpuShares = kept
+	t.gpuMu.Unlock()
+	for _, id := range gone {
+		t.sharedFreed(id)
+	}
+}
+
 // Registered implements memory.Watcher; nothing to do.
 func (t *Transport) Registered([]*memory.Region) error { return nil }
 
@@ -334,6 +432,7 @@ func (t *Transport) Registered([]*memory.Region) error { return nil }
 // of the regions for our slices in flight, so each path with such slices is
 // stopped, which returns once its owner left our memory.
 func (t *Transport) Unregistered(regs []*memory.Region) {
+	defer t.gpuUnregistered(regs)
 	var wg sync.WaitGroup
 	for _, ep := range t.liveEndpoints() {
 		if ep.touches(regs) {
@@ -382,6 +481,6 @@ func (t *Transport) Stats() Stats {
 		Refused: t.stats.refused.Load(), RefusedInFlight: t.stats.refusedInFlight.Load(),
 		ProtocolErrors: t.stats.protocolErrors.Load(), RefusedPeers: t.stats.refusedPeers.Load(),
 		Conns: t.stats.conns.Load(), SharedSlices: t.stats.shared.Load(), AttachSlices: t.stats.attach.Load(),
-		FallbackSlices: t.stats.fallback.Load(), StopsUnconfirmed: t.stats.unconfirmed.Load(),
+		FallbackSlices: t.stats.fallback.Load(), StopsUnconfirmed: t.stats.unconfirmed.Load(), GPUSlices: t.stats.gpu.Load(),
 	}
 }

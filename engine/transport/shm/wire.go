@@ -28,11 +28,14 @@ import (
 //	48 u64 grant id
 //	56 u64 epoch      the owner's fence epoch the slice was planned under;
 //	                  bytes moved (ANSWER); feature bits (HELLO_ACK)
-//	64 u64 local      share id (reachShared) or address (reachAttach) of
-//	                  the initiator's memory; share id (SHARE, UNSHARE);
-//	                  the probe's address (HELLO)
-//	72 u64 offset     in the share (reachShared); the share's size
-//	                  (SHARE); the probe's value (HELLO)
+//	64 u64 local      share id (reachShared, reachGPU) or address
+//	                  (reachAttach) of the initiator's memory; share id
+//	                  (SHARE, SHARE_GPU, UNSHARE); the probe's address (HELLO)
+//	72 u64 offset     in the share (reachShared, reachGPU); the share's
+//	                  size (SHARE, SHARE_GPU); the probe's value (HELLO)
+//
+// SHARE_GPU is followed by length bytes: the allocation's CUDA IPC handle
+// (64 bytes), then the PCI bus id of its device.
 const (
 	FrameSize = 80
 	magic     = 0x534b // "KS"
@@ -51,17 +54,30 @@ const (
 	frameWrite    = 5 // initiator -> owner: copy from the initiator's memory into the owner's
 	frameRead     = 6 // initiator -> owner: copy from the owner's memory into the initiator's
 	frameAnswer   = 7 // owner -> initiator: the slice's outcome, once no byte of it moves any more
+	frameShareGPU = 8 // initiator -> owner: an allocation of GPU memory, by its CUDA IPC handle
 )
+
+// IPCHandleSize is the size of a CUDA IPC memory handle.
+const IPCHandleSize = 64
+
+// maxBusID bounds the PCI bus id in SHARE_GPU ("0000:3b:00.0").
+const maxBusID = 64
 
 // How the owner reaches the initiator's memory for one slice.
 const (
 	reachShared = 1 // a view of a buffer the initiator shared (SHARE)
 	reachAttach = 2 // cross-memory attach: process_vm_readv/writev
+	reachGPU    = 3 // GPU memory the initiator shared by its IPC handle (SHARE_GPU)
 )
 
-// helloAttach, in HELLO_ACK's epoch field: the owner read the initiator's
-// probe with process_vm_readv, so cross-memory attach works both ways.
-const helloAttach = 1
+// Feature bits in HELLO_ACK's epoch field. helloAttach: the owner read the
+// initiator's probe with process_vm_readv, so cross-memory attach works
+// both ways. helloGPU: the owner opens CUDA IPC handles (it has the CUDA
+// driver and a GPU), so the initiator's GPU memory moves without staging.
+const (
+	helloAttach = 1
+	helloGPU    = 2
+)
 
 // Statuses in answers; every non-zero one is a refusal, final for its
 // request.
@@ -151,13 +167,17 @@ func (h *header) decode(b []byte) error {
 		if h.length == 0 || h.length > MaxSliceLength {
 			return fmt.Errorf("%w: length %d", errBadFrame, h.length)
 		}
-		if h.status != reachShared && h.status != reachAttach {
+		if h.status != reachShared && h.status != reachAttach && h.status != reachGPU {
 			return fmt.Errorf("%w: unknown way %d to reach the initiator's memory", errBadFrame, h.status)
 		}
 		return nil
 	case frameShare:
 		if h.local == 0 || h.offset == 0 || h.length != 0 {
 			return fmt.Errorf("%w: SHARE of id %d, %d bytes", errBadFrame, h.local, h.offset)
+		}
+	case frameShareGPU:
+		if h.local == 0 || h.offset == 0 || h.length <= IPCHandleSize || h.length > IPCHandleSize+maxBusID {
+			return fmt.Errorf("%w: SHARE_GPU of id %d, %d bytes, %d bytes of handle and bus id", errBadFrame, h.local, h.offset, h.length)
 		}
 	case frameUnshare, frameHelloAck, frameAnswer:
 		if h.length != 0 {
