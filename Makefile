@@ -83,6 +83,8 @@ fuzz-short:
 	$(GO) test ./engine/transport/tcp -run='^$$' -fuzz='^FuzzHandshakeOwner$$' -fuzztime=$(FUZZTIME_NET) -fuzzminimizetime=1s
 	$(GO) test ./engine/transport/tcp -run='^$$' -fuzz='^FuzzHandshakeInitiator$$' -fuzztime=$(FUZZTIME_NET) -fuzzminimizetime=1s
 	$(GO) test ./engine/transport/rdma -run='^$$' -fuzz='^FuzzDecode$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/transport/shm -run='^$$' -fuzz='^FuzzFrameDecode$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/transport/shm -run='^$$' -fuzz='^FuzzOwnerStream$$' -fuzztime=$(FUZZTIME_NET) -fuzzminimizetime=1s
 	$(GO) test ./verbs/topo -run='^$$' -fuzz='^FuzzParseFilter$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 
 # Throughput against the raw-tcp baseline of the same run, and Go benchmarks.
