@@ -228,6 +228,10 @@ func (d *Driver) DmaBuf(ordinal int, p, n uint64) (int, error) {
 // allocation of device memory to another process of this host.
 type IPCHandle [64]byte
 
+// HasIPC reports whether the driver exports CUDA IPC (cuIpcGetMemHandle,
+// cuIpcOpenMemHandle, cuIpcCloseMemHandle).
+func (d *Driver) HasIPC() bool { return C.kvfc_has_ipc(d.c) != 0 }
+
 // IPCExport returns the IPC handle of the allocation starting at base
 // (device ordinal's memory).
 func (d *Driver) IPCExport(ordinal int, base uint64) (IPCHandle, error) {

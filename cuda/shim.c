@@ -240,6 +240,8 @@ int kvfc_copy(kvfc_lib *l, int ordinal, int kind, uint64_t dst, uint64_t src, ui
 	return CUDA_ERROR_INVALID_VALUE;
 }
 
+int kvfc_has_ipc(kvfc_lib *l) { return l->IpcGetMemHandle != NULL && l->IpcOpenMemHandle != NULL && l->IpcCloseMemHandle != NULL; }
+
 int kvfc_ipc_get(kvfc_lib *l, int ordinal, uint64_t base, kvfc_ipc_handle *out) {
 	if (l->IpcGetMemHandle == NULL)
 		return 801; // CUDA_ERROR_NOT_SUPPORTED

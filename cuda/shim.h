@@ -37,6 +37,7 @@ int kvfc_dmabuf(kvfc_lib *l, int ordinal, uint64_t ptr, uint64_t n, int *fd);
 typedef struct {
 	unsigned char reserved[64];
 } kvfc_ipc_handle;
+int kvfc_has_ipc(kvfc_lib *l); // 1 when the driver exports the IPC entry points
 int kvfc_ipc_get(kvfc_lib *l, int ordinal, uint64_t base, kvfc_ipc_handle *out);
 int kvfc_ipc_open(kvfc_lib *l, int ordinal, const kvfc_ipc_handle *h, uint64_t *ptr);
 int kvfc_ipc_close(kvfc_lib *l, int ordinal, uint64_t ptr);

@@ -23,6 +23,8 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
 	"github.com/kvferry/kvferry/cuda"
+	"github.com/kvferry/kvferry/engine/memory"
+	"github.com/kvferry/kvferry/engine/transport/shm"
 	"github.com/kvferry/kvferry/verbs"
 	"github.com/kvferry/kvferry/verbs/topo"
 )
@@ -77,6 +79,8 @@ func runTopo(w io.Writer, sysRoot string) int {
 	for _, g := range gpus {
 		fmt.Fprintf(w, "  cuda:%d  %s  pci %s  numa %s  path %s\n", g.index, g.name, g.bus, numaText(g.numa), orNone(topo.PCIPathOf(sysRoot, g.bus)))
 	}
+
+	sameHost(w)
 
 	nics, nicHow := findNICs()
 	fmt.Fprintf(w, "RDMA NICs (%s):\n", nicHow)
@@ -251,4 +255,36 @@ func findNICs() ([]topo.NIC, string) {
 		how += ": no device listed"
 	}
 	return out, how
+}
+
+// sameHost says which ways the same-host transport (shm) has here: engines
+// on this host (same boot id, same network namespace) use it, the owner
+// copying engine buffers through views of them, other memory by
+// cross-memory attach where the kernel allows it, GPU memory through CUDA
+// IPC, and tcp for what none of these reaches.
+func sameHost(w io.Writer) {
+	fmt.Fprintln(w, "Same-host transport (shm):")
+	id, err := shm.BootID()
+	if err != nil {
+		fmt.Fprintf(w, "  unavailable: %v; peers on this host use tcp\n", err)
+		return
+	}
+	fmt.Fprintf(w, "  boot id %s: engines with this boot id and network namespace use shm (KVFERRY_PROTOCOL=auto or shm), others tcp; off with authentication\n", id)
+	if mem, err := memory.AllocShared(4096); err != nil {
+		fmt.Fprintf(w, "  engine buffers: private memory (shareable memory failed: %v): moved by cross-memory attach or tcp\n", err)
+	} else {
+		_ = memory.Free(mem)
+		fmt.Fprintln(w, "  engine buffers: shareable memory (memfd): the owner copies through a view of them")
+	}
+	fmt.Fprintf(w, "  other registered memory: %s\n", shm.AttachPolicy())
+	switch d, err := cuda.Open(os.Getenv("KVFERRY_CUDA_LIBRARY")); {
+	case err != nil:
+		fmt.Fprintf(w, "  GPU memory: no CUDA driver (%v): staged through host memory\n", err)
+	case !d.HasIPC():
+		fmt.Fprintf(w, "  GPU memory: the driver %s has no CUDA IPC: staged through host memory\n", d.Path())
+	case len(d.Devices()) == 0:
+		fmt.Fprintln(w, "  GPU memory: no GPU")
+	default:
+		fmt.Fprintf(w, "  GPU memory: CUDA IPC (driver %s, %d GPUs): the owner opens the initiator's allocation and copies device to device\n", d.Path(), len(d.Devices()))
+	}
 }
