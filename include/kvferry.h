@@ -177,10 +177,14 @@ typedef struct kvf_engine_options {
                                    (its first IPv4 address, else its first)
                                    and stays the segment name's host */
     const char *protocol;       /* data-plane transport to remote segments:
-                                   "auto" (rdma when both ends have an RDMA
-                                   device, else tcp; logged once per peer),
-                                   "tcp" or "rdma" (creation fails with
-                                   KVF_ERR_UNSUPPORTED without a device);
+                                   "auto" (shm with a peer on this host,
+                                   rdma when both ends have an RDMA device,
+                                   else tcp; logged once per peer), "tcp",
+                                   "rdma" (creation fails with
+                                   KVF_ERR_UNSUPPORTED without a device) or
+                                   "shm" (peers on other hosts refused with
+                                   KVF_ERR_UNSUPPORTED; creation fails so
+                                   with authentication on);
                                    NULL: "auto". RDMA's library, devices,
                                    fence, retry count and completion timeout
                                    are set by KVFERRY_IBVERBS_LIBRARY,
@@ -378,8 +382,9 @@ kvf_status kvf_register_memory_batch(kvf_engine engine, const kvf_memory_range *
 /* Unregisters n ranges by start address, all or none. */
 kvf_status kvf_unregister_memory_batch(kvf_engine engine, void *const *addrs, size_t n);
 
-/* Maps len bytes outside any heap (2 MiB huge pages when len is a multiple
- * of 2 MiB and the system has them), zero-filled, and registers them. *out
+/* Maps len bytes of shareable memory (a sealed memfd) outside any heap,
+ * zero-filled, and registers them: an engine on the same host copies into
+ * and out of them through a view of their pages (the shm transport). *out
  * receives the address. The engine owns the memory: free it with
  * kvf_free_buffer, or kvf_engine_destroy unmaps it. */
 kvf_status kvf_alloc_buffer(kvf_engine engine, size_t len, const char *location, void **out);

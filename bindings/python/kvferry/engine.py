@@ -716,9 +716,10 @@ class Engine:
     Keyword arguments map to kvf_engine_options (0 or None: the default;
     ``KVFERRY_*`` environment variables as they were when the library was
     loaded override them unless ``ignore_env=True``): ``host``
-    ("127.0.0.1"), ``port`` (0: a free one), ``protocol`` ("auto": rdma with
-    peers that have it when this machine has an RDMA device, else tcp; "tcp";
-    "rdma", which raises UnsupportedError without a device),
+    ("127.0.0.1"), ``port`` (0: a free one), ``protocol`` ("auto": shm with
+    peers on this host, rdma with peers that have it when this machine has
+    an RDMA device, else tcp; "tcp"; "rdma", which raises UnsupportedError
+    without a device; "shm", which refuses peers on other hosts),
     ``paths_per_peer`` (4), ``slice_size`` (1 MiB), ``max_retries`` (2; -1
     none), ``default_timeout_ms`` (30000), ``io_timeout_ms`` (30000),
     ``heartbeat_ms`` (1000), ``heartbeat_misses`` (5), ``log_level`` (int

@@ -239,10 +239,11 @@ class TransferEngine:
         picked) or "host:port" (that port is listened on); the host may be a
         name ("localhost", the machine's name) or an address, and the
         session id keeps it as given. ``metadata_server`` must be
-        "P2PHANDSHAKE". ``protocol`` is "tcp" or "rdma"; as Mooncake does,
-        "rdma" on a host without a usable RDMA device falls back to tcp
-        with one WARNING naming the reason, and ``MC_FORCE_TCP=1`` forces
-        tcp. ``KVFERRY_PROTOCOL``, read now, overrides both and is strict:
+        "P2PHANDSHAKE". ``protocol`` is "tcp" or "rdma"; "rdma" takes rdma
+        with peers on other hosts and shm with peers on this host, and, as
+        Mooncake does, on a host without a usable RDMA device falls back to
+        tcp (shm on this host) with one WARNING naming the reason;
+        ``MC_FORCE_TCP=1`` forces tcp. ``KVFERRY_PROTOCOL``, read now, overrides both and is strict:
         ``KVFERRY_PROTOCOL=rdma`` without a device is an error.
         ``device_name`` is accepted and unused. Returns 0, or -1 with the
         reason logged."""
@@ -294,15 +295,25 @@ class TransferEngine:
         opts.default_timeout_ms = self._ms(self._timeout_s)
         out = c_void_p()
         code = self._lib.kvf_engine_create(byref(opts), byref(out))
-        if code == _lib.ERR_UNSUPPORTED and protocol == "rdma" and not strict:
-            # Mooncake's behaviour, which SGLang and vLLM rely on: they
-            # pass "rdma" whatever the host has.
-            reason = self._lib.kvf_last_error().decode(errors="replace")
-            log.warning("kvferry.mooncake: protocol 'rdma' is unavailable here (%s); falling back to tcp, "
-                        "as Mooncake does (set KVFERRY_PROTOCOL=rdma to make this an error)", reason)
-            protocol = "tcp"
-            opts.protocol = protocol.encode()
-            code = self._lib.kvf_engine_create(byref(opts), byref(out))
+        if protocol == "rdma" and not strict:
+            # SGLang and vLLM pass "rdma" whatever the host has. The engine
+            # then takes "auto": rdma with peers elsewhere when a device is
+            # usable here, tcp otherwise, as Mooncake falls back; and shm
+            # with peers on this host (prefill and decode on one node),
+            # which "rdma" itself would refuse. The first engine only
+            # checked for a device.
+            if code == _lib.OK:
+                self._lib.kvf_engine_destroy(out)
+                out = c_void_p()
+            elif code == _lib.ERR_UNSUPPORTED:
+                reason = self._lib.kvf_last_error().decode(errors="replace")
+                log.warning("kvferry.mooncake: protocol 'rdma' is unavailable here (%s); falling back to tcp "
+                            "(shm with peers on this host), as Mooncake falls back (set KVFERRY_PROTOCOL=rdma to "
+                            "make this an error)", reason)
+            if code in (_lib.OK, _lib.ERR_UNSUPPORTED):
+                protocol = "auto"
+                opts.protocol = protocol.encode()
+                code = self._lib.kvf_engine_create(byref(opts), byref(out))
         if code != _lib.OK:
             msg = self._lib.kvf_last_error().decode(errors="replace")
             if code == _lib.ERR_UNSUPPORTED and "protocol" in msg:
