@@ -395,9 +395,9 @@ func (c *ownerConn) copySlice(op transport.Op, tgt transport.Target, view []byte
 		own := tgt.Mem[moved : moved+n]
 		switch {
 		case view != nil && op == transport.Write:
-			k = copy(own, view[moved:moved+n])
+			k = copyOut(own, view[moved:moved+n])
 		case view != nil:
-			k = copy(view[moved:moved+n], own)
+			k = copyOut(view[moved:moved+n], own)
 		default:
 			k, err = c.peer.attach(op == transport.Write, own, remote+uint64(moved))
 		}
