@@ -8,11 +8,6 @@ import "unsafe"
 //go:noescape
 func copyNT64(dst, src unsafe.Pointer, n uintptr)
 
-// streamMin is the size from which a copy streams to memory. Below it, or
-// where the destination is likely read soon, an ordinary copy (through the
-// cache) is faster. Go's own copy streams only from 1 MiB.
-const streamMin = 32 << 10
-
 // copyOut copies src into dst, as copy does. A large one streams its
 // stores past the cache: the owner copies each byte once, its destination
 // is not read again soon, and an ordinary store of a line not in the cache
