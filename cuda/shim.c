@@ -227,7 +227,12 @@ int kvfc_copy(kvfc_lib *l, int ordinal, int kind, uint64_t dst, uint64_t src, ui
 		return r;
 	switch (kind) {
 	case 1:
-		return l->MemcpyHtoD(dst, (const void *)(uintptr_t)src, n);
+		// From pageable host memory the driver may return once it staged
+		// the bytes, before they reached the device: wait for them, so
+		// the caller's guard covers the whole copy.
+		if ((r = l->MemcpyHtoD(dst, (const void *)(uintptr_t)src, n)))
+			return r;
+		return l->CtxSynchronize != NULL ? l->CtxSynchronize() : 0;
 	case 2:
 		return l->MemcpyDtoH((void *)(uintptr_t)dst, src, n);
 	case 3:

@@ -111,10 +111,15 @@ func (e *Engine) UnregisterMemoryBatch(addrs []uint64) error {
 	if len(addrs) == 0 {
 		return fmt.Errorf("unregister memory: %w: no addresses", ErrInvalidArg)
 	}
-	if _, err := e.reg.Unregister(addrs); err != nil {
+	regs, err := e.reg.Unregister(addrs)
+	if regs != nil {
+		e.epoch.Add(1)
+	}
+	if err != nil {
+		// With regions returned, they are gone but a path could not
+		// confirm that nothing reaches them (ErrMemoryInUse).
 		return fmt.Errorf("unregister memory: %w", err)
 	}
-	e.epoch.Add(1)
 	return nil
 }
 
@@ -156,8 +161,19 @@ func (e *Engine) FreeBuffer(addr uint64) error {
 	// Every registration inside the buffer (the caller may have registered
 	// parts of it again) goes first; unregistering waits for copies in
 	// progress, so unmapping is safe after it.
-	if len(e.reg.UnregisterOverlapping(addr, uint64(len(mem)))) > 0 {
+	regs, err := e.reg.UnregisterOverlapping(addr, uint64(len(mem)))
+	if len(regs) > 0 {
 		e.epoch.Add(1)
+	}
+	if err != nil {
+		if _, shared, _ := memory.Shared(addr, uint64(len(mem)), false); !shared {
+			// A peer may still copy into these pages (cross-memory
+			// attach): they stay mapped, never to be reused.
+			return fmt.Errorf("free buffer %#x: kept mapped: %w", addr, err)
+		}
+		// Shareable memory: a peer still copying reaches only its own view
+		// of these pages, which no later allocation of ours shares.
+		e.log.Warn("kvferry: freeing a buffer a same-host peer may still copy into its own view of", "addr", addr, "err", err)
 	}
 	return memory.Free(mem)
 }

@@ -142,9 +142,11 @@ type Watcher interface {
 	// undoes the whole registration.
 	Registered(regs []*Region) error
 	// Unregistered is called once regions left the registry and copies
-	// into them stopped; it must return only when the hardware no
-	// longer reaches them.
-	Unregistered(regs []*Region)
+	// into them stopped; it must return only when the hardware (or a
+	// peer process copying them itself) no longer reaches them, or with
+	// an error saying that it could not confirm so within its bound: the
+	// memory may then still be touched, and must not be reused.
+	Unregistered(regs []*Region) error
 }
 
 // Watch adds a watcher; registrations made before it are not replayed.
@@ -167,7 +169,7 @@ func (g *Registry) notifyRegistered(regs []*Region) error {
 	for i, w := range ws {
 		if err := w.Registered(regs); err != nil {
 			for _, done := range ws[:i] {
-				done.Unregistered(regs)
+				_ = done.Unregistered(regs) // nothing reached memory registered a moment ago
 			}
 			addrs := make([]uint64, len(regs))
 			for k, r := range regs {
@@ -180,13 +182,19 @@ func (g *Registry) notifyRegistered(regs []*Region) error {
 	return nil
 }
 
-func (g *Registry) notifyUnregistered(regs []*Region) {
+// notifyUnregistered tells every watcher, and returns their errors: memory
+// a watcher could not confirm free.
+func (g *Registry) notifyUnregistered(regs []*Region) error {
 	if len(regs) == 0 {
-		return
+		return nil
 	}
+	var errs []error
 	for _, w := range g.watching() {
-		w.Unregistered(regs)
+		if err := w.Unregistered(regs); err != nil {
+			errs = append(errs, err)
+		}
 	}
+	return errors.Join(errs...)
 }
 
 // NewRegistry returns an empty registry.
@@ -279,13 +287,17 @@ func (g *Registry) overlapLocked(addr, n uint64) *Region {
 
 // Unregister removes the regions starting at the given addresses, all or
 // none. It returns after every copy in progress into or out of them ended;
-// no copy starts afterwards.
+// no copy starts afterwards. When a watcher could not confirm that
+// nothing reaches them any more, the regions are gone all the same and the
+// watcher's error is returned with them: the memory must not be reused.
 func (g *Registry) Unregister(addrs []uint64) ([]*Region, error) {
 	regs, err := g.remove(addrs)
 	if err != nil {
 		return nil, err
 	}
-	g.notifyUnregistered(regs)
+	if err := g.notifyUnregistered(regs); err != nil {
+		return regs, fmt.Errorf("unregister: %w", err)
+	}
 	return regs, nil
 }
 
@@ -327,8 +339,9 @@ func (g *Registry) remove(addrs []uint64) ([]*Region, error) {
 }
 
 // UnregisterOverlapping removes every region overlapping [addr, addr+n),
-// waiting for copies in progress like Unregister, and returns them.
-func (g *Registry) UnregisterOverlapping(addr, n uint64) []*Region {
+// waiting for copies in progress like Unregister, and returns them, with
+// the watchers' errors as Unregister does.
+func (g *Registry) UnregisterOverlapping(addr, n uint64) ([]*Region, error) {
 	g.mu.Lock()
 	var regs []*Region
 	kept := g.byAddr[:0:0]
@@ -348,8 +361,10 @@ func (g *Registry) UnregisterOverlapping(addr, n uint64) []*Region {
 		r.retire()
 		r.keep = nil
 	}
-	g.notifyUnregistered(regs)
-	return regs
+	if err := g.notifyUnregistered(regs); err != nil {
+		return regs, fmt.Errorf("unregister: %w", err)
+	}
+	return regs, nil
 }
 
 func (g *Registry) findLocked(addr uint64) *Region {

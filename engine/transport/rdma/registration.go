@@ -100,7 +100,7 @@ func (t *Transport) deregister(rm *regMRs) {
 
 // Unregistered implements memory.Watcher: deregistration returns once the
 // NICs no longer reach the ranges.
-func (t *Transport) Unregistered(regs []*memory.Region) {
+func (t *Transport) Unregistered(regs []*memory.Region) error {
 	for _, r := range regs {
 		t.mrMu.Lock()
 		rm := t.mrs[r.Key]
@@ -110,6 +110,7 @@ func (t *Transport) Unregistered(regs []*memory.Region) {
 			t.deregister(rm)
 		}
 	}
+	return nil
 }
 
 // localKey finds the lkey for [addr, addr+n) of region key on NIC nic; ok

@@ -61,14 +61,20 @@ type endpoint struct {
 	failOnce sync.Once
 	reason   error // set before dead
 	wg       sync.WaitGroup
-	finished chan struct{}
+	// stopped closes once the owner certainly left our memory (confirmed
+	// set first), or once StopBound passed without that: Abort returns
+	// then. finished closes once every slice ended, which is only after
+	// the owner left.
+	stopped   chan struct{}
+	confirmed atomic.Bool
+	finished  chan struct{}
 }
 
 func newEndpoint(t *Transport, conn *net.UnixConn, self string, deadline time.Time, fallback FallbackDialer) (*endpoint, error) {
 	ep := &endpoint{
 		t: t, conn: conn, fallback: fallback,
 		pending: map[uint64]*transport.Slice{}, regions: map[*memory.Region]int{},
-		shared: map[uint64]bool{}, wake: make(chan struct{}, 1), finished: make(chan struct{}),
+		shared: map[uint64]bool{}, wake: make(chan struct{}, 1), stopped: make(chan struct{}), finished: make(chan struct{}),
 	}
 	var err error
 	if ep.owner, err = peerOf(conn); err != nil {
@@ -367,7 +373,7 @@ func (ep *endpoint) reach(s *transport.Slice, out []byte) ([]byte, header, error
 	}
 	addr, n := memory.AddrOf(s.Local), uint64(len(s.Local))
 	if isGPU(s.LocalReg) {
-		return ep.reachGPU(addr, n, out)
+		return ep.reachGPU(s.LocalReg, addr, n, out)
 	}
 	f, ok, _ := memory.Shared(addr, n, false)
 	if ok && !ep.shared[f.ID] {
@@ -407,12 +413,19 @@ var errGPUUnreachable = errors.New("shm: GPU memory the owner cannot open")
 
 // reachGPU shares the allocation of GPU memory holding the slice (its IPC
 // handle, once per connection) and names it.
-func (ep *endpoint) reachGPU(addr, n uint64, out []byte) ([]byte, header, error) {
+func (ep *endpoint) reachGPU(reg *memory.Region, addr, n uint64, out []byte) ([]byte, header, error) {
 	var h header
 	if !ep.gpu {
 		return out, h, errGPUUnreachable
 	}
+	// The export is looked up or made while the region is pinned: its
+	// unregistration, which forgets the exports it covers, then comes
+	// after, and no export of an allocation freed meanwhile is kept.
+	if err := reg.Enter(); err != nil {
+		return out, h, fmt.Errorf("%w: local memory: %w", errGPUUnreachable, err)
+	}
 	g, err := ep.t.gpuShare(addr, n)
+	reg.Leave()
 	if err != nil {
 		return out, h, fmt.Errorf("%w: %w", errGPUUnreachable, err)
 	}
@@ -565,12 +578,27 @@ func (ep *endpoint) fail(reason error) {
 }
 
 // sweep runs once both goroutines ended: it waits for the owner's chunk in
-// progress in our memory, then fails every slice not yet ended.
+// progress in our memory, then fails every slice not yet ended. An owner
+// that does not leave within StopBound (stopped in the middle of a chunk)
+// lets Abort return, reporting it unconfirmed, but the slices end only
+// once it left (or exited): until then their memory may still be touched,
+// which a cancel reports as transport.ErrInUse.
 func (ep *endpoint) sweep() {
-	if !ep.lease.drain(ep.t.opts.StopBound, ep.owner.gone) {
+	// An inline sender in Post finishes its round first: slices it
+	// tracks are then in pending for us to end.
+	ep.sendMu.Lock()
+	ep.sendMu.Unlock()
+	if ep.lease.drain(ep.t.opts.StopBound, ep.owner.gone) {
+		ep.confirmed.Store(true)
+		close(ep.stopped)
+	} else {
 		ep.t.stats.unconfirmed.Add(1)
-		ep.t.opts.Logger.Error("kvferry: shm owner did not leave our memory after the path was stopped (owner process stopped mid-copy?)",
+		ep.t.opts.Logger.Error("kvferry: shm owner did not leave our memory within the bound after the path was stopped (owner process stopped mid-copy?); its slices end once it does",
 			"owner_pid", ep.owner.pid, "bound", ep.t.opts.StopBound)
+		close(ep.stopped)
+		for !ep.lease.drain(time.Minute, ep.owner.gone) {
+		}
+		ep.t.opts.Logger.Warn("kvferry: shm owner left our memory; the stopped path's slices end now", "owner_pid", ep.owner.pid)
 	}
 	_ = ep.conn.Close()
 	ep.mu.Lock()
@@ -600,10 +628,30 @@ func (ep *endpoint) sweep() {
 }
 
 // Abort stops the path and returns once the owner no longer touches our
-// memory for it (or StopBound passed: logged and counted).
-func (ep *endpoint) Abort(reason error) {
+// memory for it, or once StopBound passed without the owner confirming it
+// (logged and counted; the slices then end only once it left).
+func (ep *endpoint) Abort(reason error) { ep.stop(reason) }
+
+// stop is Abort, reporting whether the owner certainly left our memory.
+func (ep *endpoint) stop(reason error) bool {
 	ep.fail(reason)
-	<-ep.finished
+	<-ep.stopped
+	return ep.confirmed.Load()
+}
+
+// Cancel stops the path for slices a cancel cut (transport.SliceCanceler):
+// a slice on the wire cannot be taken back alone, since the owner copies
+// it. It returns nil once the owner left our memory and every slice of the
+// path ended, or an error wrapping transport.ErrInUse when that was not
+// confirmed by ctx's deadline.
+func (ep *endpoint) Cancel(ctx context.Context, _ []*transport.Slice) error {
+	ep.fail(transport.ErrCanceled)
+	select {
+	case <-ep.finished:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("shm path: %w: the same-host owner did not leave the memory by the deadline (stopped mid-copy?)", transport.ErrInUse)
+	}
 }
 
 // DirectGPU reports whether the owner copies our GPU memory itself, through

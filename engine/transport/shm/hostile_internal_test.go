@@ -12,6 +12,8 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
+	"fmt"
 	"net"
 	"os"
 	"os/exec"
@@ -267,13 +269,12 @@ func startFakeOwner(t *testing.T, pattern byte) *fakeOwner {
 
 // TestHostileUnregisterReturnsWhileTheOwnerIsInsideItsChunk (promise 3):
 // the initiator's stop of a path waits for the owner's chunk in progress
-// only StopBound long (lease.drain); past it sweep fails the slices and
-// Abort returns anyway (counted in StopsUnconfirmed, logged). Unregister,
-// which an engine's Unregister and a deadline's path stop come down to,
-// then returns nil and the application reuses or frees the buffer; the
-// owner, resumed, finishes its chunk into it. The memory contract
-// ("Unregister returns after every copy in progress into or out of them
-// ended") is broken without any error reaching the caller.
+// only StopBound long; an owner stopped inside its chunk (SIGSTOP, a
+// freezer, a fault on swapped memory) then finishes it when it resumes.
+// Unregister must not report the memory free meanwhile: it returns an
+// error matching transport.ErrInUse, and the slice does not end (so no
+// transfer reports it over) until the owner left; then it does. (As
+// reviewed, Unregister returned nil and the slice ended at once.)
 func TestHostileUnregisterReturnsWhileTheOwnerIsInsideItsChunk(t *testing.T) {
 	const n = 64 << 10
 	fo := startFakeOwner(t, 0x5a)
@@ -312,14 +313,27 @@ func TestHostileUnregisterReturnsWhileTheOwnerIsInsideItsChunk(t *testing.T) {
 		t.Fatal("the fake owner never entered the lease")
 	}
 	_, uerr := initReg.Unregister([]uint64{regs[0].Addr})
-	<-done
+	if !errors.Is(uerr, transport.ErrInUse) {
+		t.Errorf("Unregister returned %v while the owner was inside its chunk; want an error matching transport.ErrInUse", uerr)
+	}
+	select {
+	case err := <-done:
+		t.Errorf("the slice ended (%v) while the owner could still write its memory", err)
+	default:
+	}
 	snapshot := bytes.Clone(dst)
 	close(fo.resume)
 	<-fo.done
-	if uerr == nil && !bytes.Equal(snapshot, dst) {
-		t.Errorf("Unregister returned nil (StopsUnconfirmed %d) while the owner was inside its chunk; the owner then wrote into the "+
-			"buffer: a stop past StopBound must not report the memory free (endpoint.go sweep / lease.drain)",
-			initSide.Stats().StopsUnconfirmed)
+	if bytes.Equal(snapshot, dst) {
+		t.Errorf("the stopped owner's chunk did not land once resumed: the scenario proves nothing")
+	}
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the slice never ended after the owner left the memory")
+	}
+	if n := initSide.Stats().StopsUnconfirmed; n != 1 {
+		t.Errorf("StopsUnconfirmed %d, want 1", n)
 	}
 }
 
@@ -348,14 +362,17 @@ if sys.argv[2] == "1":
     fcntl.fcntl(fd, 1033, 2 | 4 | 1)  # F_ADD_SEALS: shrink, grow, seal
     name = b"nobody"
     fr = struct.pack("<HBBIQQIIQQQQQQ", 0x534b, 1, 1, 0, 0, 0, 0, len(name), 0, 0, 0, 0, 0, 0)
-    socket.send_fds(s, [fr + name], [fd])
     ack = b""
-    while len(ack) < 80:
-        b = s.recv(80 - len(ack))
-        if not b:
-            break
-        ack += b
-    out = "ok status=%d" % (struct.unpack("<I", ack[4:8])[0] if len(ack) == 80 else -1)
+    try:
+        socket.send_fds(s, [fr + name], [fd])
+        while len(ack) < 80:
+            b = s.recv(80 - len(ack))
+            if not b:
+                break
+            ack += b
+    except OSError:
+        pass
+    out = "ok status=%d" % struct.unpack("<I", ack[4:8])[0] if len(ack) == 80 else "ok closed"
 sys.stdout.write(out + "\n")
 sys.stdout.flush()
 sys.stdin.read()
@@ -394,7 +411,9 @@ sys.stdin.read()
 }
 
 // TestHostileAnotherUserIsRefused (regression, promise 5): a process of
-// another user that says HELLO properly is answered REFUSED and counted.
+// another user that says HELLO properly gets no HELLO_ACK of success: its
+// connection is closed at accept (or, were it let through, answered
+// REFUSED at its HELLO), and it is counted.
 func TestHostileAnotherUserIsRefused(t *testing.T) {
 	tr, addr, _ := hostileOwner(t, Options{})
 	_, name, _ := splitAddr(addr)
@@ -402,8 +421,8 @@ func TestHostileAnotherUserIsRefused(t *testing.T) {
 	if !strings.HasPrefix(got, "ok") {
 		t.Fatalf("the other user's peer said %q", got)
 	}
-	if got != "ok status=4" {
-		t.Errorf("another user's HELLO answered %q, want status %d (refused)", got, statusRefused)
+	if got != "ok closed" && got != fmt.Sprintf("ok status=%d", statusRefused) {
+		t.Errorf("another user's HELLO answered %q, want the connection closed or status %d (refused)", got, statusRefused)
 	}
 	if tr.Stats().RefusedPeers == 0 {
 		t.Error("the other user's connection was not counted as refused")

@@ -65,8 +65,18 @@ func mapLease(fd int) (*lease, error) {
 }
 
 // checkSealed checks that fd is a memfd of size bytes that can no longer
-// shrink, so mapping size bytes of it never faults past its end.
+// shrink, on plain shared memory (tmpfs), so mapping size bytes of it
+// never faults past its end. A hugetlbfs memfd is refused: its owner could
+// punch a hole and give its huge pages back, and our next touch of the
+// hole would fault (SIGBUS) where no page is left to take.
 func checkSealed(fd int, size uint64) error {
+	var fs unix.Statfs_t
+	if err := unix.Fstatfs(fd, &fs); err != nil {
+		return fmt.Errorf("fstatfs: %w", err)
+	}
+	if fs.Type != unix.TMPFS_MAGIC {
+		return fmt.Errorf("a file on a filesystem of type %#x, not shared memory (tmpfs)", fs.Type)
+	}
 	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
 	if err != nil {
 		return fmt.Errorf("not a sealable memfd: %w", err)

@@ -30,10 +30,11 @@ type ownerConn struct {
 	fds        []int
 	oob        []byte
 
-	shares  map[uint64][]byte // the initiator's buffers, mapped, by share id
-	gpu     bool              // we open CUDA IPC handles (opts.GPU is available)
-	gpus    map[uint64]gpuShare
-	answers []byte // ANSWERs not yet written
+	shares     map[uint64][]byte // the initiator's buffers, mapped, by share id
+	shareBytes uint64            // bytes of shares mapped
+	gpu        bool              // we open CUDA IPC handles (opts.GPU is available)
+	gpus       map[uint64]gpuShare
+	answers    []byte // ANSWERs not yet written
 }
 
 // gpuShare is an allocation of the initiator's GPU memory, opened here by
@@ -45,9 +46,15 @@ type gpuShare struct {
 
 // Bounds on what one initiator can make the owner hold.
 const (
-	maxShares     = 4096 // buffers mapped per connection
-	maxPendingFDs = 16   // descriptors received and not yet claimed by a frame
-	maxHeldAnswer = 32   // ANSWERs held back while more frames are buffered
+	// Views of initiators' buffers take address space (not memory: they
+	// are the initiator's pages): 1 TiB per buffer, 4 TiB per
+	// connection, and maxShareTotal for the transport, well inside the
+	// 128 TiB a process has.
+	maxShareBytes     = 1 << 40
+	maxConnShareBytes = 4 << 40
+	maxShares         = 4096 // buffers mapped per connection
+	maxPendingFDs     = 16   // descriptors received and not yet claimed by a frame
+	maxHeldAnswer     = 32   // ANSWERs held back while more frames are buffered
 )
 
 // ChunkSize is how many bytes the owner copies under one guard and one
@@ -81,10 +88,7 @@ func (t *Transport) serve(conn *net.UnixConn) {
 		case frameShareGPU:
 			err = c.shareGPU(&h)
 		case frameUnshare:
-			if m, ok := c.shares[h.local]; ok {
-				_ = unix.Munmap(m)
-				delete(c.shares, h.local)
-			}
+			c.unmapShare(h.local)
 			if g, ok := c.gpus[h.local]; ok {
 				t.opts.GPU.Close(g.ordinal, g.addr)
 				delete(c.gpus, h.local)
@@ -248,18 +252,42 @@ func (c *ownerConn) share(h *header) error {
 	if len(c.shares) >= maxShares {
 		return fmt.Errorf("%w: more than %d buffers shared", errBadFrame, maxShares)
 	}
-	if h.offset > 1<<46 {
-		return fmt.Errorf("%w: share of %d bytes", errBadFrame, h.offset)
+	if h.offset > maxShareBytes || c.shareBytes+h.offset > maxConnShareBytes {
+		return fmt.Errorf("%w: share of %d bytes, %d shared on the connection already", errBadFrame, h.offset, c.shareBytes)
 	}
 	if err := checkSealed(fd, h.offset); err != nil {
 		return fmt.Errorf("%w: share %d: %v", errBadFrame, h.local, err)
 	}
-	m, err := unix.Mmap(fd, 0, int(h.offset), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
+	if !c.t.takeShareBytes(h.offset) {
+		return fmt.Errorf("%w: share of %d bytes: the owner's views of peers' buffers are at their bound", errBadFrame, h.offset)
+	}
+	// Page tables are filled ahead only for a buffer whose pages all
+	// exist (an engine's, populated when allocated): a sparse one would
+	// have us allocate its pages, charged to us. Any other page is
+	// faulted in when a slice touches it.
+	flags := unix.MAP_SHARED | unix.MAP_NORESERVE
+	var st unix.Stat_t
+	if unix.Fstat(fd, &st) == nil && uint64(st.Blocks)*512 >= h.offset {
+		flags |= unix.MAP_POPULATE
+	}
+	m, err := unix.Mmap(fd, 0, int(h.offset), unix.PROT_READ|unix.PROT_WRITE, flags)
 	if err != nil {
+		c.t.releaseShareBytes(h.offset)
 		return fmt.Errorf("share %d: mmap %d bytes: %w", h.local, h.offset, err)
 	}
 	c.shares[h.local] = m
+	c.shareBytes += h.offset
 	return nil
+}
+
+// unmapShare drops a view of an initiator's buffer.
+func (c *ownerConn) unmapShare(id uint64) {
+	if m, ok := c.shares[id]; ok {
+		_ = unix.Munmap(m)
+		delete(c.shares, id)
+		c.shareBytes -= uint64(len(m))
+		c.t.releaseShareBytes(uint64(len(m)))
+	}
 }
 
 // shareGPU opens an allocation of the initiator's GPU memory by its IPC
@@ -398,6 +426,10 @@ func (c *ownerConn) copySlice(op transport.Op, tgt transport.Target, view []byte
 			k = copyOut(own, view[moved:moved+n])
 		case view != nil:
 			k = copyOut(view[moved:moved+n], own)
+		case c.peer.gone():
+			// Checked before each chunk: the peer's pid could be another
+			// process's once it exited.
+			err = errors.New("the peer process exited")
 		default:
 			k, err = c.peer.attach(op == transport.Write, own, remote+uint64(moved))
 		}
@@ -511,9 +543,8 @@ func (c *ownerConn) flush() error {
 // views, the lease, descriptors never claimed, the pidfd.
 func (c *ownerConn) close() {
 	_ = c.conn.Close()
-	for id, m := range c.shares {
-		_ = unix.Munmap(m)
-		delete(c.shares, id)
+	for id := range c.shares {
+		c.unmapShare(id)
 	}
 	for id, g := range c.gpus {
 		c.t.opts.GPU.Close(g.ordinal, g.addr)

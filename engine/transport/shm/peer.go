@@ -19,8 +19,11 @@ type peerProc struct {
 	pidfd int // -1 when pidfd_open failed (then cross-memory attach is off)
 }
 
-// peerOf reads the peer's credentials and opens a pidfd on it, which tells
-// when it exits (its pid may then be reused by another process).
+// peerOf reads the peer's credentials and takes a pidfd on it, which tells
+// when it exits (its pid may then be reused by another process). The
+// kernel's own pidfd of the peer (SO_PEERPIDFD, Linux 6.5) names the very
+// process that connected; pidfd_open of its pid is the fallback on older
+// kernels, with the small window in which that pid could be reused.
 func peerOf(c *net.UnixConn) (peerProc, error) {
 	p := peerProc{pidfd: -1}
 	rc, err := c.SyscallConn()
@@ -31,6 +34,11 @@ func peerOf(c *net.UnixConn) (peerProc, error) {
 	var cerr error
 	if err := rc.Control(func(fd uintptr) {
 		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+		if cerr == nil {
+			if pfd, err := unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PEERPIDFD); err == nil && pfd >= 0 {
+				p.pidfd = pfd
+			}
+		}
 	}); err != nil {
 		return p, err
 	}
@@ -38,12 +46,31 @@ func peerOf(c *net.UnixConn) (peerProc, error) {
 		return p, fmt.Errorf("SO_PEERCRED: %w", cerr)
 	}
 	p.pid, p.uid = int(cred.Pid), cred.Uid
-	if p.pid > 0 {
+	if p.pidfd < 0 && p.pid > 0 {
 		if fd, err := unix.PidfdOpen(p.pid, 0); err == nil {
 			p.pidfd = fd
 		}
 	}
 	return p, nil
+}
+
+// peerUID is the user the kernel says the peer runs as.
+func peerUID(c *net.UnixConn) (uint32, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return 0, err
+	}
+	if cerr != nil {
+		return 0, cerr
+	}
+	return cred.Uid, nil
 }
 
 // gone reports whether the peer process exited.

@@ -37,6 +37,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/internal/defaults"
@@ -146,6 +148,8 @@ type Transport struct {
 	stats  counters
 	warn   *ratelog.Limiter
 
+	shareBytes atomic.Uint64 // bytes of initiators' buffers mapped by our owner side
+
 	// GPU allocations exported to owners, by base (see gpuShare).
 	gpuMu     sync.Mutex
 	gpuShares []*gpuExport
@@ -203,6 +207,25 @@ func (t *Transport) Listen(owner transport.Owner) (string, error) {
 	return t.bootID + name, nil
 }
 
+// maxShareTotal bounds the views of initiators' buffers our owner side maps
+// at once, in bytes of address space.
+const maxShareTotal = 32 << 40
+
+// takeShareBytes reserves n bytes of the views' bound.
+func (t *Transport) takeShareBytes(n uint64) bool {
+	for {
+		cur := t.shareBytes.Load()
+		if cur+n > maxShareTotal {
+			return false
+		}
+		if t.shareBytes.CompareAndSwap(cur, cur+n) {
+			return true
+		}
+	}
+}
+
+func (t *Transport) releaseShareBytes(n uint64) { t.shareBytes.Add(-n) }
+
 // SameHost reports whether addr, a peer's shm address, names this host.
 func (t *Transport) SameHost(addr string) bool {
 	boot, _, err := splitAddr(addr)
@@ -231,6 +254,15 @@ func (t *Transport) accept() {
 			}
 			t.opts.Logger.Warn("shm: accept failed", "err", err)
 			time.Sleep(10 * time.Millisecond)
+			continue
+		}
+		// Abstract sockets have no permissions: any user of the network
+		// namespace can connect. Another user's connection is closed
+		// before it takes a slot, so it cannot crowd ours out.
+		if uid, err := peerUID(c); err != nil || uid != uint32(unix.Geteuid()) {
+			_ = c.Close()
+			t.stats.refusedPeers.Add(1)
+			t.warn.Warn("other-user", "shm: refusing a connection of another user", "uid", uid, "err", err)
 			continue
 		}
 		t.mu.Lock()
@@ -430,20 +462,30 @@ func (t *Transport) Registered([]*memory.Region) error { return nil }
 
 // Unregistered implements memory.Watcher: owners may be copying into or out
 // of the regions for our slices in flight, so each path with such slices is
-// stopped, which returns once its owner left our memory.
-func (t *Transport) Unregistered(regs []*memory.Region) {
+// stopped, which returns once its owner left our memory. A path whose owner
+// did not confirm that within StopBound makes it an error wrapping
+// transport.ErrInUse: the memory must not be reused.
+func (t *Transport) Unregistered(regs []*memory.Region) error {
 	defer t.gpuUnregistered(regs)
 	var wg sync.WaitGroup
+	var unconfirmed atomic.Int32
 	for _, ep := range t.liveEndpoints() {
 		if ep.touches(regs) {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				ep.Abort(fmt.Errorf("%w: local memory unregistered", transport.ErrCanceled))
+				if !ep.stop(fmt.Errorf("%w: local memory unregistered", transport.ErrCanceled)) {
+					unconfirmed.Add(1)
+				}
 			}()
 		}
 	}
 	wg.Wait()
+	if n := unconfirmed.Load(); n > 0 {
+		return fmt.Errorf("shm: %w: %d same-host owners did not confirm within %v that they left the memory (stopped mid-copy?)",
+			transport.ErrInUse, n, t.opts.StopBound)
+	}
+	return nil
 }
 
 // Close stops listening, cuts every connection, fails outstanding slices,
