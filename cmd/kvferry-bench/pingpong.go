@@ -27,23 +27,11 @@ import (
 func runPingPong(c config) error {
 	const rounds = 3
 	var per time.Duration
-	target, line, err := startChild(c, "target", "target ready: ")
+	target, segment, buffer, err := startTarget(c)
 	if err != nil {
 		return err
 	}
 	defer stopChild(target)
-	var segment string
-	var buffer uint64
-	for _, f := range strings.Fields(line) {
-		if v, ok := strings.CutPrefix(f, "segment="); ok {
-			segment = v
-		} else if v, ok := strings.CutPrefix(f, "buffer="); ok {
-			buffer, _ = strconv.ParseUint(strings.TrimPrefix(v, "0x"), 16, 64)
-		}
-	}
-	if segment == "" || buffer == 0 {
-		return fmt.Errorf("the target said %q", line)
-	}
 	pong, pline, err := startChild(c, "pong-server", "pong ready: addr=")
 	if err != nil {
 		return err
@@ -172,6 +160,27 @@ func startChild(c config, mode, ready string) (*exec.Cmd, string, error) {
 		stopChild(cmd)
 		return nil, "", fmt.Errorf("the %s process did not say it was ready within 30 s", mode)
 	}
+}
+
+// startTarget runs a target process (startChild) and returns it with its
+// segment name and the address of its buffer.
+func startTarget(c config) (cmd *exec.Cmd, segment string, buffer uint64, err error) {
+	cmd, line, err := startChild(c, "target", "target ready: ")
+	if err != nil {
+		return nil, "", 0, err
+	}
+	for _, f := range strings.Fields(line) {
+		if v, ok := strings.CutPrefix(f, "segment="); ok {
+			segment = v
+		} else if v, ok := strings.CutPrefix(f, "buffer="); ok {
+			buffer, _ = strconv.ParseUint(strings.TrimPrefix(v, "0x"), 16, 64)
+		}
+	}
+	if segment == "" || buffer == 0 {
+		stopChild(cmd)
+		return nil, "", 0, fmt.Errorf("the target said %q", line)
+	}
+	return cmd, segment, buffer, nil
 }
 
 // stopChild ends a child started by startChild and reaps it.

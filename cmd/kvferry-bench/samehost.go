@@ -29,23 +29,11 @@ func runSameHost(c config) error {
 	const bufSize = 64 << 20
 	tc := c
 	tc.blockSize = bufSize // the target's buffer
-	target, line, err := startChild(tc, "target", "target ready: ")
+	target, segment, remote, err := startTarget(tc)
 	if err != nil {
 		return err
 	}
 	defer stopChild(target)
-	var segment string
-	var remote uint64
-	for _, f := range strings.Fields(line) {
-		if v, ok := strings.CutPrefix(f, "segment="); ok {
-			segment = v
-		} else if v, ok := strings.CutPrefix(f, "buffer="); ok {
-			remote, _ = strconv.ParseUint(strings.TrimPrefix(v, "0x"), 16, 64)
-		}
-	}
-	if segment == "" || remote == 0 {
-		return fmt.Errorf("the target said %q", line)
-	}
 
 	type side struct {
 		e       *engine.Engine

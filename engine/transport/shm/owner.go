@@ -407,32 +407,50 @@ func (c *ownerConn) copySlice(op transport.Op, tgt transport.Target, view []byte
 			return 0, err
 		}
 	}
+	moved, err := c.chunks(tgt, ChunkSize, func(off, n int) (int, error) {
+		own := tgt.Mem[off : off+n]
+		switch {
+		case view != nil && op == transport.Write:
+			return copyOut(own, view[off:off+n]), nil
+		case view != nil:
+			return copyOut(view[off:off+n], own), nil
+		case c.peer.gone():
+			// Checked before each chunk: the peer's pid could be another
+			// process's once it exited.
+			return 0, errors.New("the peer process exited")
+		default:
+			return c.peer.attach(op == transport.Write, own, remote+uint64(off))
+		}
+	})
+	if err != nil {
+		return moved, err
+	}
+	if op == transport.Write && tgt.Stage != nil {
+		if err := transport.StageCopy(tgt.Guard, tgt.Stage.Flush); err != nil {
+			return 0, err
+		}
+	}
+	return moved, nil
+}
+
+// chunks runs copyChunk over tgt.Mem in chunks of at most size bytes, each
+// under the owner's guard and the initiator's lease (never across a wait),
+// and returns the bytes moved and the refusal or error that stopped it:
+// a refusal of the guard as is, the lease revoked or a failed copy as
+// errUnreachable.
+func (c *ownerConn) chunks(tgt transport.Target, size int, copyChunk func(off, n int) (int, error)) (int, error) {
 	moved := 0
+	leased := !c.t.opts.UnsafeIgnoreLease
 	for moved < len(tgt.Mem) {
-		n := min(ChunkSize, len(tgt.Mem)-moved)
+		n := min(size, len(tgt.Mem)-moved)
 		if err := tgt.Guard.Enter(); err != nil {
 			return moved, err
 		}
-		leased := !c.t.opts.UnsafeIgnoreLease
 		if leased && !c.lease.enter() {
 			tgt.Guard.Leave()
 			return moved, fmt.Errorf("%w: %w", errUnreachable, errRevoked)
 		}
-		var k int
-		var err error
-		own := tgt.Mem[moved : moved+n]
-		switch {
-		case view != nil && op == transport.Write:
-			k = copyOut(own, view[moved:moved+n])
-		case view != nil:
-			k = copyOut(view[moved:moved+n], own)
-		case c.peer.gone():
-			// Checked before each chunk: the peer's pid could be another
-			// process's once it exited.
-			err = errors.New("the peer process exited")
-		default:
-			k, err = c.peer.attach(op == transport.Write, own, remote+uint64(moved))
-		}
+		k, err := copyChunk(moved, n)
 		if leased {
 			c.lease.leave()
 		}
@@ -440,11 +458,6 @@ func (c *ownerConn) copySlice(op transport.Op, tgt transport.Target, view []byte
 		moved += k
 		if err != nil {
 			return moved, fmt.Errorf("%w: %w", errUnreachable, err)
-		}
-	}
-	if op == transport.Write && tgt.Stage != nil {
-		if err := transport.StageCopy(tgt.Guard, tgt.Stage.Flush); err != nil {
-			return 0, err
 		}
 	}
 	return moved, nil
@@ -474,37 +487,26 @@ func (c *ownerConn) copyGPU(op transport.Op, tgt transport.Target, src gpuShare)
 			return 0, err
 		}
 	}
-	moved := 0
-	for moved < len(tgt.Mem) {
-		n := min(gpuChunk, len(tgt.Mem)-moved)
-		if err := tgt.Guard.Enter(); err != nil {
-			return moved, err
-		}
-		leased := !c.t.opts.UnsafeIgnoreLease
-		if leased && !c.lease.enter() {
-			tgt.Guard.Leave()
-			return moved, fmt.Errorf("%w: %w", errUnreachable, errRevoked)
-		}
-		peer := src.addr + uint64(moved)
+	moved, err := c.chunks(tgt, gpuChunk, func(off, n int) (int, error) {
+		peer, own := src.addr+uint64(off), uint64(off)
 		var err error
 		switch {
 		case device && op == transport.Write:
-			err = gpu.Copy(src.ordinal, copyDtoD, devAddr+uint64(moved), peer, uint64(n))
+			err = gpu.Copy(src.ordinal, copyDtoD, devAddr+own, peer, uint64(n))
 		case device:
-			err = gpu.Copy(src.ordinal, copyDtoD, peer, devAddr+uint64(moved), uint64(n))
+			err = gpu.Copy(src.ordinal, copyDtoD, peer, devAddr+own, uint64(n))
 		case op == transport.Write:
-			err = gpu.Copy(src.ordinal, copyDtoH, addrOf(tgt.Mem[moved:]), peer, uint64(n))
+			err = gpu.Copy(src.ordinal, copyDtoH, addrOf(tgt.Mem[off:]), peer, uint64(n))
 		default:
-			err = gpu.Copy(src.ordinal, copyHtoD, peer, addrOf(tgt.Mem[moved:]), uint64(n))
+			err = gpu.Copy(src.ordinal, copyHtoD, peer, addrOf(tgt.Mem[off:]), uint64(n))
 		}
-		if leased {
-			c.lease.leave()
-		}
-		tgt.Guard.Leave()
 		if err != nil {
-			return moved, fmt.Errorf("%w: %w", errUnreachable, err)
+			return 0, err
 		}
-		moved += n
+		return n, nil
+	})
+	if err != nil {
+		return moved, err
 	}
 	if op == transport.Write && staged {
 		if err := transport.StageCopy(tgt.Guard, tgt.Stage.Flush); err != nil {
