@@ -74,7 +74,7 @@ func TestFakeDriver(t *testing.T) {
 		t.Fatalf("contexts created on devices %#x; want only device 1 (0x2)", m)
 	}
 	// A failing copy is an error naming the call, not a crash.
-	if err := d.Control("fail op=cuMemcpyDtoH_v2 after=1"); err != nil {
+	if err := d.Control("fail op=cuMemcpyDtoHAsync_v2 after=1"); err != nil {
 		t.Fatal(err)
 	}
 	var ce *cuda.Error

@@ -27,6 +27,7 @@ enum {
 struct kvfc_lib {
 	void *h;
 	CUcontext ctx[MAXDEV]; // retained primary contexts
+	void *stream[MAXDEV];  // per context: our copies' non-blocking stream, or NULL
 	CUresult (*Init)(unsigned);
 	CUresult (*DeviceGetCount)(int *);
 	CUresult (*DeviceGet)(CUdevice *, int);
@@ -51,6 +52,14 @@ struct kvfc_lib {
 	CUresult (*IpcOpenMemHandle)(CUdeviceptr *, kvfc_ipc_handle, unsigned);
 	CUresult (*IpcCloseMemHandle)(CUdeviceptr);
 	CUresult (*CtxSynchronize)(void);
+	// A stream of our own per context (optional: without them copies run
+	// on the default stream and wait for the whole context).
+	CUresult (*StreamCreate)(void **, unsigned);
+	CUresult (*StreamSynchronize)(void *);
+	CUresult (*StreamDestroy)(void *);
+	CUresult (*MemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, void *);
+	CUresult (*MemcpyDtoHAsync)(void *, CUdeviceptr, size_t, void *);
+	CUresult (*MemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, void *);
 	CUresult (*GetErrorString)(CUresult, const char **);
 };
 
@@ -106,6 +115,12 @@ int kvfc_open(const char *path, kvfc_lib **out, char *err, size_t errlen) {
 	SYM(IpcOpenMemHandle, "cuIpcOpenMemHandle_v2", 0);
 	SYM(IpcCloseMemHandle, "cuIpcCloseMemHandle", 0);
 	SYM(CtxSynchronize, "cuCtxSynchronize", 0);
+	SYM(StreamCreate, "cuStreamCreate", 0);
+	SYM(StreamSynchronize, "cuStreamSynchronize", 0);
+	SYM(StreamDestroy, "cuStreamDestroy_v2", 0);
+	SYM(MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", 0);
+	SYM(MemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", 0);
+	SYM(MemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", 0);
 	SYM(GetErrorString, "cuGetErrorString", 1);
 #undef SYM
 	int i = __atomic_fetch_add(&nkept, 1, __ATOMIC_RELAXED);
@@ -180,6 +195,15 @@ int kvfc_retain(kvfc_lib *l, int ordinal) {
 	CUcontext c = NULL;
 	if ((r = l->PrimaryCtxRetain(&c, d)))
 		return r;
+	// Our copies get a stream of their own that does not wait for the
+	// default stream (CU_STREAM_NON_BLOCKING, 0x1): waiting for one of
+	// them waits for it alone, not for the application's kernels.
+	void *s = NULL;
+	if (l->StreamCreate != NULL && l->StreamSynchronize != NULL && l->MemcpyHtoDAsync != NULL &&
+	    l->MemcpyDtoHAsync != NULL && l->MemcpyDtoDAsync != NULL && l->CtxSetCurrent(c) == 0 &&
+	    l->StreamCreate(&s, 0x1) != 0)
+		s = NULL;
+	l->stream[ordinal] = s;
 	l->ctx[ordinal] = c;
 	return 0;
 }
@@ -191,6 +215,9 @@ int kvfc_release(kvfc_lib *l, int ordinal) {
 	CUresult r = l->DeviceGet(&d, ordinal);
 	if (r)
 		return r;
+	if (l->stream[ordinal] != NULL && l->StreamDestroy != NULL && l->CtxSetCurrent(l->ctx[ordinal]) == 0)
+		l->StreamDestroy(l->stream[ordinal]);
+	l->stream[ordinal] = NULL;
 	l->ctx[ordinal] = NULL;
 	return l->PrimaryCtxRelease(d);
 }
@@ -225,24 +252,43 @@ int kvfc_copy(kvfc_lib *l, int ordinal, int kind, uint64_t dst, uint64_t src, ui
 	CUresult r = current(l, ordinal);
 	if (r)
 		return r;
+	// Every copy has ended when this returns: the caller's guard must
+	// cover all of it. (The synchronous calls may return early: a
+	// host-to-device copy from pageable memory once the bytes are staged,
+	// a device-to-device copy at once.)
+	void *s = l->stream[ordinal];
+	if (s != NULL) {
+		switch (kind) {
+		case 1:
+			r = l->MemcpyHtoDAsync(dst, (const void *)(uintptr_t)src, n, s);
+			break;
+		case 2:
+			r = l->MemcpyDtoHAsync((void *)(uintptr_t)dst, src, n, s);
+			break;
+		case 3:
+			r = l->MemcpyDtoDAsync(dst, src, n, s);
+			break;
+		default:
+			return CUDA_ERROR_INVALID_VALUE;
+		}
+		// Waited for even after an error: a copy may have started.
+		CUresult w = l->StreamSynchronize(s);
+		return r ? r : w;
+	}
 	switch (kind) {
 	case 1:
-		// From pageable host memory the driver may return once it staged
-		// the bytes, before they reached the device: wait for them, so
-		// the caller's guard covers the whole copy.
-		if ((r = l->MemcpyHtoD(dst, (const void *)(uintptr_t)src, n)))
-			return r;
-		return l->CtxSynchronize != NULL ? l->CtxSynchronize() : 0;
+		r = l->MemcpyHtoD(dst, (const void *)(uintptr_t)src, n);
+		break;
 	case 2:
 		return l->MemcpyDtoH((void *)(uintptr_t)dst, src, n);
 	case 3:
-		// A device-to-device copy may still run when cuMemcpyDtoD returns;
-		// the caller's guard must cover the whole copy, so wait for it.
-		if ((r = l->MemcpyDtoD(dst, src, n)))
-			return r;
-		return l->CtxSynchronize != NULL ? l->CtxSynchronize() : 0;
+		r = l->MemcpyDtoD(dst, src, n);
+		break;
+	default:
+		return CUDA_ERROR_INVALID_VALUE;
 	}
-	return CUDA_ERROR_INVALID_VALUE;
+	CUresult w = l->CtxSynchronize != NULL ? l->CtxSynchronize() : 0;
+	return r ? r : w;
 }
 
 int kvfc_has_ipc(kvfc_lib *l) { return l->IpcGetMemHandle != NULL && l->IpcOpenMemHandle != NULL && l->IpcCloseMemHandle != NULL; }

@@ -59,7 +59,7 @@ func TestGPUStagedSliceCanceledDuringItsLastChunkIsNotPosted(t *testing.T) {
 	gpuWrite(t, d, 1, initGPU, bytes.Repeat([]byte{oldByte}, n))
 	dst := alloc(t, owner, n)
 	seg := openSegment(t, init, owner.Name())
-	if err := d.Control(fmt.Sprintf("delay op=cuMemcpyDtoH_v2 us=%d", copyTime.Microseconds())); err != nil {
+	if err := d.Control(fmt.Sprintf("delay op=cuMemcpyDtoHAsync_v2 us=%d", copyTime.Microseconds())); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = d.Control("reset") })

@@ -179,7 +179,7 @@ func TestGPUStagingObeysAbort(t *testing.T) {
 	fillByte(src, oldByte)
 	seg := openSegment(t, init, owner.Name())
 	// Each host->device staging copy takes 20 ms: the WRITE lands slowly.
-	if err := d.Control("delay op=cuMemcpyHtoD_v2 us=20000"); err != nil {
+	if err := d.Control("delay op=cuMemcpyHtoDAsync_v2 us=20000"); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = d.Control("reset") })

@@ -23,7 +23,7 @@ import (
 
 // stageOp is the driver entry point of an initiator's staging copy of a
 // WRITE: GPU memory (the source) into a host staging buffer.
-const stageOp = "cuMemcpyDtoH_v2"
+const stageOp = "cuMemcpyDtoHAsync_v2"
 
 // stagingCopies returns the fake driver's staging copies: those started
 // so far, and those started and not yet returned (sleeping in their delay

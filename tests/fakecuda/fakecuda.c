@@ -138,7 +138,7 @@ static const char *const k_ops[] = {
 	"cuStreamCreate", "cuStreamSynchronize", "cuStreamQuery", "cuStreamDestroy_v2", "cuEventCreate",
 	"cuEventRecord", "cuEventQuery", "cuEventSynchronize", "cuEventDestroy_v2",
 	"cuMemGetHandleForAddressRange", "cuGetErrorString", "cuGetErrorName",
-	"cuIpcGetMemHandle", "cuIpcOpenMemHandle_v2", "cuIpcCloseMemHandle",
+	"cuIpcGetMemHandle", "cuIpcOpenMemHandle_v2", "cuIpcCloseMemHandle", "cuMemcpyDtoDAsync_v2",
 };
 
 // Per entry point (index in k_ops): calls so far, counted on entry before any
@@ -1016,6 +1016,11 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n,
 EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream st) {
 	BEGIN();
 	return copy((uintptr_t)dst, K_HOST, (uintptr_t)src, K_DEV, n, 1, st);
+}
+
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream st) {
+	BEGIN();
+	return copy((uintptr_t)dst, K_DEV, (uintptr_t)src, K_DEV, n, 1, st);
 }
 
 // ---------------------------------------------------------------------------

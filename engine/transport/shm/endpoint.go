@@ -47,6 +47,8 @@ type endpoint struct {
 	regions  map[*memory.Region]int      // our regions of the slices pending
 	inBytes  int                         // bytes of the slices pending
 	fb       transport.Endpoint          // the tcp path, dialed on first need
+	ctx      context.Context             // canceled when the path fails: a fallback dial gives up
+	cancel   context.CancelFunc
 	wake     chan struct{}
 
 	// sendMu is held by whoever sends: Post in its caller's goroutine when
@@ -61,10 +63,10 @@ type endpoint struct {
 	failOnce sync.Once
 	reason   error // set before dead
 	wg       sync.WaitGroup
-	// stopped closes once the owner certainly left our memory (confirmed
-	// set first), or once StopBound passed without that: Abort returns
-	// then. finished closes once every slice ended, which is only after
-	// the owner left.
+	// stopped closes once the owner certainly left our memory and every
+	// slice ended (confirmed set first), or once StopBound passed without
+	// the owner leaving: Abort returns then. finished closes once every
+	// slice ended, which is only after the owner left.
 	stopped   chan struct{}
 	confirmed atomic.Bool
 	finished  chan struct{}
@@ -76,11 +78,13 @@ func newEndpoint(t *Transport, conn *net.UnixConn, self string, deadline time.Ti
 		pending: map[uint64]*transport.Slice{}, regions: map[*memory.Region]int{},
 		shared: map[uint64]bool{}, wake: make(chan struct{}, 1), stopped: make(chan struct{}), finished: make(chan struct{}),
 	}
+	ep.ctx, ep.cancel = context.WithCancel(context.Background())
 	var err error
 	if ep.owner, err = peerOf(conn); err != nil {
 		return nil, err
 	}
 	fail := func(err error) (*endpoint, error) {
+		ep.cancel()
 		ep.owner.close()
 		if ep.lease != nil {
 			ep.lease.unmap()
@@ -89,6 +93,12 @@ func newEndpoint(t *Transport, conn *net.UnixConn, self string, deadline time.Ti
 	}
 	if ep.owner.uid != uint32(unix.Geteuid()) {
 		return fail(fmt.Errorf("the owner runs as uid %d, not ours (%d)", ep.owner.uid, unix.Geteuid()))
+	}
+	if ep.owner.pidfd < 0 {
+		// Without it an owner that died inside a chunk of our memory
+		// could not be told from one merely stopped there: the path's
+		// slices would never end. The engine takes tcp instead.
+		return fail(errors.New("no pidfd of the owner process (kernel before 6.5 with the owner in another pid namespace, or pidfd_open denied)"))
 	}
 	l, leaseFD, err := newLease()
 	if err != nil {
@@ -491,7 +501,7 @@ func (ep *endpoint) dialFallback() (transport.Endpoint, error) {
 	if ep.fallback == nil {
 		return nil, fmt.Errorf("no tcp path given")
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), ep.t.opts.HandshakeTimeout)
+	ctx, cancel := context.WithTimeout(ep.ctx, ep.t.opts.HandshakeTimeout)
 	defer cancel()
 	fb, err := ep.fallback(ctx)
 	if err != nil {
@@ -571,6 +581,7 @@ func (ep *endpoint) fail(reason error) {
 	ep.failOnce.Do(func() {
 		ep.reason = reason
 		ep.dead.Store(true)
+		ep.cancel()
 		ep.lease.revoke()
 		_ = ep.conn.SetDeadline(time.Unix(1, 0))
 		ep.poke()
@@ -588,13 +599,19 @@ func (ep *endpoint) sweep() {
 	// tracks are then in pending for us to end.
 	ep.sendMu.Lock()
 	ep.sendMu.Unlock()
-	if ep.lease.drain(ep.t.opts.StopBound, ep.owner.gone) {
-		ep.confirmed.Store(true)
-		close(ep.stopped)
-	} else {
+	confirmed := ep.lease.drain(ep.t.opts.StopBound, ep.owner.gone)
+	if !confirmed {
 		ep.t.stats.unconfirmed.Add(1)
 		ep.t.opts.Logger.Error("kvferry: shm owner did not leave our memory within the bound after the path was stopped (owner process stopped mid-copy?); its slices end once it does",
 			"owner_pid", ep.owner.pid, "bound", ep.t.opts.StopBound)
+		// The tcp path does not depend on the lease: it stops now.
+		ep.mu.Lock()
+		fb := ep.fb
+		ep.fb = nil
+		ep.mu.Unlock()
+		if fb != nil {
+			fb.Abort(ep.reason)
+		}
 		close(ep.stopped)
 		for !ep.lease.drain(time.Minute, ep.owner.gone) {
 		}
@@ -624,6 +641,11 @@ func (ep *endpoint) sweep() {
 	ep.owner.close()
 	ep.lease.unmap()
 	ep.t.forget(ep)
+	if confirmed {
+		// Abort returns once every slice ended and the tcp path stopped.
+		ep.confirmed.Store(true)
+		close(ep.stopped)
+	}
 	close(ep.finished)
 }
 

@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"sync/atomic"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -51,8 +52,16 @@ func peerOf(c *net.UnixConn) (peerProc, error) {
 			p.pidfd = fd
 		}
 	}
+	if testNoPidfd.Load() && p.pidfd >= 0 {
+		_ = unix.Close(p.pidfd)
+		p.pidfd = -1
+	}
 	return p, nil
 }
+
+// testNoPidfd, set by tests only, makes peerOf find no pidfd, as on a
+// kernel or under a seccomp policy that gives none.
+var testNoPidfd atomic.Bool
 
 // peerUID is the user the kernel says the peer runs as.
 func peerUID(c *net.UnixConn) (uint32, error) {

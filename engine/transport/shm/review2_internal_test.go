@@ -10,6 +10,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -109,10 +110,17 @@ func review2Owner(t *testing.T) (string, *exec.Cmd, *bufio.Scanner) {
 // batch never completes, every cancel reports ErrMemoryInUse, and a
 // goroutine polls the lease every millisecond for the life of the process.
 //
-// "with pidfd" is the control (it passes); "without pidfd" is the finding.
+// With a pidfd of the owner the slices end once it exited; without one
+// (forced here after the dial, as the review found it) they would not,
+// which is why a path is not opened without one
+// (TestReview2NoPidfdMeansNoSHMPath); the subtest shows what that prevents.
 func TestReview2SlicesEndOnceTheOwnerExitedInsideItsChunk(t *testing.T) {
 	for _, withPidfd := range []bool{true, false} {
 		t.Run(map[bool]string{true: "with pidfd", false: "without pidfd"}[withPidfd], func(t *testing.T) {
+			if !withPidfd && os.Getenv("KVFERRY_SHOW_NO_PIDFD") != "1" {
+				t.Skip("what a path without a pidfd of its owner would do (slices never end); Dial refuses such a path " +
+					"(TestReview2NoPidfdMeansNoSHMPath); KVFERRY_SHOW_NO_PIDFD=1 runs it")
+			}
 			addr, cmd, sc := review2Owner(t)
 			initSide, err := New(Options{StopBound: 100 * time.Millisecond})
 			if err != nil {
@@ -169,5 +177,39 @@ func TestReview2SlicesEndOnceTheOwnerExitedInsideItsChunk(t *testing.T) {
 			}
 			_ = memory.Free(dst) // leaked on failure: the sweep may still run
 		})
+	}
+}
+
+// TestReview2NoPidfdMeansNoSHMPath: where the kernel gives no pidfd of the
+// owner (no SO_PEERPIDFD and no pidfd_open, or its pid is not visible
+// here), an owner that dies inside a chunk could never be told from one
+// that is merely stopped, and the path's slices would never end: Dial
+// refuses such a path with a connection error, and the engine takes tcp.
+func TestReview2NoPidfdMeansNoSHMPath(t *testing.T) {
+	owner, err := New(Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = owner.Close() })
+	addr, err := owner.Listen(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	initSide, err := New(Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = initSide.Close() })
+	testNoPidfd.Store(true)
+	defer testNoPidfd.Store(false)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	ep, err := initSide.Dial(ctx, addr, "initiator")
+	if err == nil {
+		_ = ep.Close()
+		t.Fatal("a path was opened without a pidfd of its owner")
+	}
+	if !errors.Is(err, transport.ErrConnection) {
+		t.Errorf("Dial without a pidfd: %v; want an error matching transport.ErrConnection (the engine then takes tcp)", err)
 	}
 }

@@ -508,11 +508,18 @@ func (t *Transport) Close() error {
 	for c := range conns {
 		_ = c.Close()
 	}
+	unconfirmed := 0
 	for ep := range eps {
-		ep.Abort(transport.ErrClosed)
+		if !ep.stop(transport.ErrClosed) {
+			unconfirmed++
+		}
 	}
 	t.wg.Wait()
 	t.unhook()
+	if unconfirmed > 0 {
+		return fmt.Errorf("shm: close: %w: %d same-host owners did not confirm within %v that they left our memory (stopped mid-copy?)",
+			transport.ErrInUse, unconfirmed, t.opts.StopBound)
+	}
 	return nil
 }
 
