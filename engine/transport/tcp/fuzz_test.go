@@ -46,6 +46,8 @@ func headerSeeds() []headerSeed {
 	}
 	return []headerSeed{
 		{"hello", encodeHeader(header{typ: frameHello, length: 15})},
+		{"challenge", encodeHeader(header{typ: frameChallenge, length: challengeSize})},
+		{"auth", encodeHeader(header{typ: frameAuth, length: authMACSize})},
 		{"hello_ack", encodeHeader(header{typ: frameHelloAck})},
 		{"write", write},
 		{"write_with_payload_after", withPayload},
@@ -103,6 +105,14 @@ func FuzzHeaderDecode(f *testing.F) {
 			if h.length != 0 {
 				t.Fatalf("accepted type %d with length %d", h.typ, h.length)
 			}
+		case frameChallenge:
+			if h.length != challengeSize {
+				t.Fatalf("accepted CHALLENGE of %d bytes", h.length)
+			}
+		case frameAuth:
+			if h.length != authMACSize {
+				t.Fatalf("accepted AUTH of %d bytes", h.length)
+			}
 		default:
 			t.Fatalf("accepted type %d", h.typ)
 		}
@@ -123,7 +133,7 @@ func FuzzHeaderDecode(f *testing.F) {
 func TestHeaderSeedVerdicts(t *testing.T) {
 	accept := map[string]bool{"hello": true, "hello_ack": true, "write": true, "write_with_payload_after": true,
 		"write_ack_refused": true, "read_max": true, "read_data": true, "read_done": true, "go_away": true,
-		"hello_goaway_flag": true}
+		"hello_goaway_flag": true, "challenge": true, "auth": true}
 	for _, s := range headerSeeds() {
 		var h header
 		err := h.decode(s.data)
