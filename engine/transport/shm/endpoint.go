@@ -302,18 +302,15 @@ func (ep *endpoint) sendQueued(inline bool) error {
 				fbs = append(fbs, s)
 				continue
 			}
-			if !ep.track(s) {
+			ep.seq++
+			if !ep.track(s, ep.seq) {
 				continue
 			}
-			ep.seq++
 			h.typ, h.seq, h.requestID, h.generation = frameRead, ep.seq, s.RequestID, s.Generation
 			if s.Op == transport.Write {
 				h.typ = frameWrite
 			}
 			h.length, h.key, h.addr, h.grantID, h.epoch = uint32(len(s.Local)), s.Key, s.Remote, s.GrantID, s.Epoch
-			ep.mu.Lock()
-			ep.pending[ep.seq] = s
-			ep.mu.Unlock()
 			out = appendFrame(out, &h)
 		}
 		if err == nil {
@@ -343,16 +340,21 @@ func (ep *endpoint) requeue(ss []*transport.Slice) {
 	ep.mu.Unlock()
 }
 
-// track counts a slice as in flight in its region before it leaves, so an
-// Unregister of the region from now on stops this path; a region already
-// gone fails the slice here. From here the slice ends only by the owner's
-// answer or the path's stop.
-func (ep *endpoint) track(s *transport.Slice) bool {
+// track counts a slice as in flight in its region and pending under seq
+// before its frame leaves (one lock for both), so an Unregister of the
+// region from now on stops this path; a region already gone fails the
+// slice here. From here the slice ends only by the owner's answer or the
+// path's stop.
+func (ep *endpoint) track(s *transport.Slice, seq uint64) bool {
 	ep.mu.Lock()
 	ep.regions[s.LocalReg]++
 	ep.inBytes += len(s.Local)
+	ep.pending[seq] = s
 	ep.mu.Unlock()
 	if err := s.LocalReg.Enter(); err != nil {
+		ep.mu.Lock()
+		delete(ep.pending, seq)
+		ep.mu.Unlock()
 		ep.untrack(s)
 		s.Finish(fmt.Errorf("local memory: %w", err))
 		return false

@@ -19,7 +19,6 @@ import (
 
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/transport"
-	"github.com/kvferry/kvferry/engine/transport/transporttest"
 )
 
 func frame(h header) []byte {
@@ -106,24 +105,9 @@ func newStreamRig(f *testing.F) *streamRig {
 	for i := range all {
 		all[i] = 0xee
 	}
-	reg := memory.NewRegistry()
-	regs, err := reg.Register([]memory.Range{{Mem: all[streamGuard : len(all)-streamGuard], Location: "cpu"}})
-	if err != nil {
-		f.Fatal(err)
-	}
-	t, err := New(Options{HandshakeTimeout: time.Second, IOTimeout: time.Second})
-	if err != nil {
-		f.Fatal(err)
-	}
-	addr, err := t.Listen(transporttest.NewOwner(reg))
-	if err != nil {
-		f.Fatal(err)
-	}
-	f.Cleanup(func() {
-		_ = t.Close()
-		_ = memory.Free(all)
-	})
-	return &streamRig{owner: t, addr: addr, all: all, reg: regs[0]}
+	f.Cleanup(func() { _ = memory.Free(all) }) // after the owner closed
+	t, addr, reg := serveBuffer(f, Options{HandshakeTimeout: time.Second, IOTimeout: time.Second}, all[streamGuard:len(all)-streamGuard])
+	return &streamRig{owner: t, addr: addr, all: all, reg: reg}
 }
 
 // FuzzOwnerStream: whatever a peer of the same user sends after a proper

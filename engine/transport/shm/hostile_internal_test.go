@@ -36,23 +36,28 @@ func hostileOwner(t *testing.T, opts Options) (*Transport, string, *memory.Regio
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { _ = memory.Free(mem) }) // after the owner closed
+	return serveBuffer(t, opts, mem)
+}
+
+// serveBuffer registers mem with an owner of opts and serves it; the owner
+// is closed when the test ends.
+func serveBuffer(tb testing.TB, opts Options, mem []byte) (*Transport, string, *memory.Region) {
+	tb.Helper()
 	reg := memory.NewRegistry()
 	regs, err := reg.Register([]memory.Range{{Mem: mem, Location: "cpu"}})
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
 	tr, err := New(opts)
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
 	addr, err := tr.Listen(transporttest.NewOwner(reg))
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
-	t.Cleanup(func() {
-		_ = tr.Close()
-		_ = memory.Free(mem)
-	})
+	tb.Cleanup(func() { _ = tr.Close() })
 	return tr, addr, regs[0]
 }
 
@@ -442,8 +447,8 @@ func TestHostileAnotherUserCannotHoldConnectionSlots(t *testing.T) {
 		t.Fatalf("the other user's peer said %q", got)
 	}
 	// Wait until the owner took the other user's connection, or refused it.
-	for tr.Stats().Conns == 0 && tr.Stats().RefusedPeers == 0 {
-		time.Sleep(time.Millisecond)
+	if !transporttest.WaitFor(10*time.Second, func() bool { return tr.Stats().Conns != 0 || tr.Stats().RefusedPeers != 0 }) {
+		t.Fatal("the owner neither took nor refused the other user's connection")
 	}
 	initSide, err := New(Options{})
 	if err != nil {

@@ -134,16 +134,11 @@ func abortDuringOwnerCopy(t *testing.T, ownerOpts shm.Options, shared bool) bool
 	close(resume)
 	// The owner's answer to the slice is counted once its copy ended
 	// (bytes out, or a refusal).
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	if !transporttest.WaitFor(5*time.Second, func() bool {
 		st := ownerSide.Stats()
-		if st.BytesOut > before.BytesOut || st.Refused > before.Refused {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the owner never finished the slice")
-		}
-		time.Sleep(time.Millisecond)
+		return st.BytesOut > before.BytesOut || st.Refused > before.Refused
+	}) {
+		t.Fatal("the owner never finished the slice")
 	}
 	select {
 	case err := <-done:

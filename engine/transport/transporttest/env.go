@@ -386,6 +386,10 @@ func dumpGoroutines(t *testing.T) {
 	t.Logf("goroutines:\n%s", b.String())
 }
 
+// WaitFor polls cond until it holds or timeout passes, and reports whether
+// it held: for transports' own tests that wait on a condition.
+func WaitFor(timeout time.Duration, cond func() bool) bool { return waitFor(timeout, cond) }
+
 // waitFor polls cond until it holds or timeout passes.
 func waitFor(timeout time.Duration, cond func() bool) bool {
 	deadline := time.Now().Add(timeout)
