@@ -151,6 +151,14 @@ type Engine struct {
 	efd      int
 
 	stats engineCounters
+	// metrics counts what Stats does not (per peer, latencies, refusals
+	// by reason); nil with Options.MetricsOff.
+	metrics     *engineMetrics
+	metricsAddr string // where the metrics listener serves, "" when none does
+	stopMetrics func()
+	// traceID is Options.TraceRequest: the request id whose path through
+	// the engine is logged at debug level (0: none).
+	traceID uint64
 }
 
 type engineCounters struct {
@@ -218,6 +226,10 @@ func New(opts Options) (*Engine, error) {
 		return nil, fmt.Errorf("kvferry: %w: %w", ErrInvalidArg, err)
 	}
 	e.plane = plane
+	e.traceID = opts.TraceRequest
+	if !opts.MetricsOff {
+		e.metrics = newEngineMetrics(plane.Name(), opts.MetricsPeers)
+	}
 	e.tcp = tcp.New(tcp.Options{
 		ListenHost: hosts.bind, IOTimeout: opts.IOTimeout, Auth: authority, AdvertiseHost: hosts.dataHost, Logger: e.log, ApplyDelay: opts.Testing.ApplyDelay,
 		MaxConnsPerPeer: opts.TCPMaxConnsPerPeer, MaxConns: opts.TCPMaxConns, IdleTimeout: opts.TCPIdleTimeout,
@@ -267,6 +279,7 @@ func New(opts Options) (*Engine, error) {
 	plane.Start()
 	e.bg.Add(1)
 	go e.heartbeats()
+	e.startMetricsListener()
 	e.log.Debug("kvferry: engine started", "segment", e.Name(), "tcp", tcpAddr)
 	return e, nil
 }
@@ -330,6 +343,9 @@ func (e *Engine) Close() error {
 		return nil
 	}
 	e.cancel() // dials under way for retries give up
+	if e.stopMetrics != nil {
+		e.stopMetrics()
+	}
 	e.liveMu.Lock()
 	batches := make([]*Batch, 0, len(e.live))
 	for b := range e.live {
@@ -440,7 +456,11 @@ func (e *Engine) heartbeats() {
 						return
 					}
 				}
+				sent := time.Now()
 				typ, body, err := e.plane.Request(ctx, s.name, control.MsgPing, nil)
+				if err == nil && e.metrics != nil {
+					e.metrics.rtt.Observe(time.Since(sent).Seconds())
+				}
 				s.heartbeat(err)
 				if err == nil && typ == control.MsgPong {
 					s.learnFenceEpoch(body)

@@ -80,8 +80,11 @@ type Segment struct {
 	addr    string          // data-plane address
 	shmAddr string          // the peer's shm address, when it offers one
 	proto   string          // "tcp", "rdma" or "shm", chosen at each descriptor fetch
-	closed  error           // set by shutdown
-	next    atomic.Uint32
+	// transport is proto's index into metrics.Transports (local for our
+	// own segment), for the metrics, read without the lock.
+	transport atomic.Int32
+	closed    error // set by shutdown
+	next      atomic.Uint32
 
 	misses atomic.Int32
 	dead   atomic.Bool
@@ -149,6 +152,9 @@ func (e *Engine) OpenSegment(ctx context.Context, name string) (*Segment, error)
 	}
 	e.segMu.Unlock()
 	s := &Segment{e: e, name: name, self: name == e.Name(), refreshing: make(chan struct{}, 1)}
+	if s.self {
+		s.transport.Store(transportIndex("local"))
+	}
 	s.paths = make([]*pathRef, e.opts.PathsPerPeer)
 	if s.self {
 		s.paths = s.paths[:1]
@@ -243,6 +249,9 @@ func (s *Segment) refresh(ctx context.Context) error {
 	shmAddr, _ := d.Transport("shm")
 	s.mu.Lock()
 	s.proto = proto
+	if !s.self {
+		s.transport.Store(transportIndex(proto))
+	}
 	s.shmAddr = shmAddr
 	if s.addr != "" && s.addr != addr {
 		// The peer restarted under the same name: old paths lead nowhere.
@@ -333,8 +342,20 @@ func (s *Segment) path(ctx context.Context, hint uint32) (*pathRef, error) {
 		done := make(chan struct{})
 		s.dialing[i] = done
 		addr := s.addr
+		redial := s.paths[i] != nil
 		s.mu.Unlock()
 		ref, err := s.dial(ctx, addr)
+		if m := s.e.metrics; m != nil {
+			tr := s.transport.Load()
+			if err != nil {
+				m.dials[tr][1].Add(1)
+			} else {
+				m.dials[tr][0].Add(1)
+				if redial {
+					m.redials.Add(1)
+				}
+			}
+		}
 		s.mu.Lock()
 		s.dialing[i] = nil
 		close(done)
@@ -378,7 +399,16 @@ func (s *Segment) dial(ctx context.Context, addr string) (*pathRef, error) {
 		p, err = s.e.tcp.Dial(ctx, addr, s.e.Name())
 	}
 	if err != nil {
-		return nil, fmt.Errorf("segment %s: %w", s.name, err)
+		// The peer, the transport, the address and the cause: what an
+		// operator needs to tell a dead peer from a firewall.
+		if s.self {
+			proto, addr = "local", "in-process"
+		} else if proto == "shm" {
+			addr = shmAddr
+		} else if proto == "rdma" {
+			addr = s.name + " (rdma connection manager over its control plane)"
+		}
+		return nil, fmt.Errorf("segment %s: dial %s path to %s: %w", s.name, proto, addr, err)
 	}
 	return &pathRef{ep: p}, nil
 }
@@ -410,6 +440,9 @@ func (s *Segment) heartbeat(err error) {
 	}
 	// Rate-limited: a peer that keeps dropping out and coming back causes
 	// this line.
+	if m := s.e.metrics; m != nil {
+		m.peerDeaths.Add(1)
+	}
 	s.e.peerWarn("dead", s.name, "kvferry: peer declared dead", "segment", s.name, "misses", s.misses.Load(), "err", err)
 	s.cutPaths(fmt.Errorf("segment %s: %w", s.name, ErrPeerDead))
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine/memory"
+	"github.com/kvferry/kvferry/engine/metrics"
 	"github.com/kvferry/kvferry/engine/transport"
 )
 
@@ -24,6 +25,8 @@ type task struct {
 	errMu       sync.Mutex
 	err         error
 	slices      []sliceT
+	start       int64 // monoNow at Submit
+	transport   int32 // index into metrics.Transports of the segment's transport at Submit
 
 	// The engine's task index (taskIndex), under its shard's lock.
 	idxPrev, idxNext *task
@@ -181,6 +184,14 @@ func (t *task) finish() {
 		e.stats.tasksCanceled.Add(1)
 	default:
 		e.stats.tasksFailed.Add(1)
+	}
+	if m := e.metrics; m != nil {
+		m.taskEnded(t, st)
+	}
+	if e.traceID != 0 && t.req.RequestID == e.traceID {
+		e.log.Debug("kvferry: trace: transfer ended", "request", t.req.RequestID, "segment", t.req.Segment.name,
+			"transport", metrics.Transports[t.transport], "op", t.req.Op, "bytes", t.req.Length, "status", st,
+			"took", time.Duration(monoNow()-t.start), "err", t.err)
 	}
 	t.status.Store(int32(st))
 	// Unlisted once final, and before the batch can count it out: a freed

@@ -51,7 +51,11 @@ import (
 //	ControlMaxConns    KVFERRY_CONTROL_MAX_CONNS    1024 (control connections peers open to us)
 //	ControlMaxConnsPerHost KVFERRY_CONTROL_MAX_CONNS_PER_HOST 256
 //	ControlBufferMiB   KVFERRY_CONTROL_BUFFER_MB    128 (partly received control messages, all peers)
-//	LogLevel           KVFERRY_LOG_LEVEL            info (debug, info, warn, error)
+//	LogLevel           KVFERRY_LOG_LEVEL            info (debug, info, warn, error; the C API and Python default to warn)
+//	TraceRequest       KVFERRY_TRACE_REQUEST        0 (none; with LogLevel debug, logs one request id's path)
+//	MetricsAddr        KVFERRY_METRICS_ADDR         "" (no listener; "host:port" serves http://host:port/metrics)
+//	MetricsPeers       KVFERRY_METRICS_PEERS        32 (peers with a label of their own; the rest count as "other")
+//	MetricsOff         KVFERRY_METRICS=0            false (per-peer counts and latency histograms are kept)
 type Options struct {
 	// Host is the address the control plane and the data plane listen
 	// on, and the host part of the segment name. An IPv6 address is given
@@ -230,6 +234,30 @@ type Options struct {
 	Logger *slog.Logger
 	// LogLevel applies when Logger is nil.
 	LogLevel slog.Level
+	// TraceRequest names a request id whose way through the engine is
+	// logged at debug level, on both sides: submitted, each peer access
+	// admitted or refused, ended (status, time, cause), aborted, ACKed.
+	// Other requests are not traced: a busy engine's debug log stays
+	// readable. 0 traces none.
+	TraceRequest uint64
+	// MetricsAddr, when set ("127.0.0.1:9400", ":0" for a free port),
+	// serves the engine's metrics over HTTP at /metrics, in the Prometheus
+	// text format. Engines of one process asking for the same address
+	// share its listener. A listener that cannot start (port in use) is
+	// logged as a warning; the engine starts anyway, and MetricsText and
+	// Collector still give the metrics.
+	MetricsAddr string
+	// MetricsPeers is how many peers have a label of their own in the
+	// per-peer metrics; the others count under peer="other", so that
+	// thousands of peers make at most MetricsPeers+1 label values. A peer
+	// idle for 30 s gives its label up to the busiest of the others.
+	// Default 32, at most 4096.
+	MetricsPeers int
+	// MetricsOff leaves out what the metrics count on the data path (per
+	// peer bytes and transfers, latency histograms, refusals by reason):
+	// the metrics then carry the engine's Stats alone. It is there to
+	// measure what counting costs.
+	MetricsOff bool
 	// Resolver finds segment descriptors; default: ask the segment's own
 	// control endpoint (P2P handshake).
 	Resolver Resolver
@@ -305,6 +333,24 @@ func (o *Options) applyEnv() error {
 	str("KVFERRY_IBVERBS_LIBRARY", &o.RDMALibrary)
 	str("KVFERRY_RDMA_DEVICES", &o.RDMADevices)
 	str("KVFERRY_CUDA_LIBRARY", &o.CUDALibrary)
+	str("KVFERRY_METRICS_ADDR", &o.MetricsAddr)
+	if v, ok := os.LookupEnv("KVFERRY_METRICS"); ok && v != "" {
+		switch v {
+		case "0":
+			o.MetricsOff = true
+		case "1":
+			o.MetricsOff = false
+		default:
+			return fmt.Errorf("KVFERRY_METRICS=%q: want 1 or 0", v)
+		}
+	}
+	if v, ok := os.LookupEnv("KVFERRY_TRACE_REQUEST"); ok && v != "" {
+		id, err := strconv.ParseUint(v, 0, 64)
+		if err != nil {
+			return fmt.Errorf("KVFERRY_TRACE_REQUEST=%q: %w", v, err)
+		}
+		o.TraceRequest = id
+	}
 	if v, ok := os.LookupEnv("KVFERRY_RDMA_FENCE"); ok && v != "" {
 		on, err := strconv.ParseBool(v)
 		if err != nil {
@@ -323,7 +369,7 @@ func (o *Options) applyEnv() error {
 		{"KVFERRY_CONTROL_MAX_CONNS", &o.ControlMaxConns}, {"KVFERRY_CONTROL_MAX_CONNS_PER_HOST", &o.ControlMaxConnsPerHost},
 		{"KVFERRY_CONTROL_BUFFER_MB", &o.ControlBufferMiB},
 		{"KVFERRY_TCP_MAX_CONNS_PER_PEER", &o.TCPMaxConnsPerPeer}, {"KVFERRY_TCP_MAX_CONNS", &o.TCPMaxConns},
-		{"KVFERRY_TCP_MIN_RATE", &o.TCPMinRate},
+		{"KVFERRY_TCP_MIN_RATE", &o.TCPMinRate}, {"KVFERRY_METRICS_PEERS", &o.MetricsPeers},
 	} {
 		if err := num(f.name, f.dst); err != nil {
 			return err
@@ -442,6 +488,12 @@ func (o *Options) fill() error {
 	}
 	if o.EventQueue > 1<<20 || o.MaxTombstones > 1<<24 {
 		return fmt.Errorf("event queue %d or tombstones %d too large (at most %d and %d)", o.EventQueue, o.MaxTombstones, 1<<20, 1<<24)
+	}
+	if o.MetricsPeers == 0 {
+		o.MetricsPeers = 32
+	}
+	if o.MetricsPeers < 0 || o.MetricsPeers > 4096 {
+		return fmt.Errorf("metrics peers %d: want 1 to 4096 (0: the default, 32)", o.MetricsPeers)
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: o.LogLevel})).With("lib", "kvferry")

@@ -89,6 +89,19 @@ type abortKey struct {
 // this engine's memory; otherwise it says why not, by the deadline. The
 // error is non-nil only for invalid arguments or a closed engine.
 func (e *Engine) Abort(ctx context.Context, requestID uint64, initiators []string) (AbortResult, error) {
+	start := time.Now()
+	res, err := e.abortRequest(ctx, requestID, initiators)
+	if err == nil && e.metrics != nil {
+		observeSafe(e.metrics.abort, start, res.Safe)
+	}
+	if e.traceID != 0 && requestID == e.traceID {
+		e.log.Debug("kvferry: trace: abort answered", "request", requestID, "initiators", initiators, "safe", res.Safe,
+			"acked", res.Acked, "bytes_confirmed", res.BytesConfirmed, "took", time.Since(start), "reason", res.Reason, "err", err)
+	}
+	return res, err
+}
+
+func (e *Engine) abortRequest(ctx context.Context, requestID uint64, initiators []string) (AbortResult, error) {
 	if err := e.checkOpen(); err != nil {
 		return AbortResult{}, err
 	}

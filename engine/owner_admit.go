@@ -12,6 +12,20 @@ import (
 // guard returned checks both again before each chunk. It implements
 // transport.Owner.
 func (e *Engine) Admit(a transport.Access) (transport.Target, error) {
+	t, err := e.admit(a)
+	if err != nil {
+		if m := e.metrics; m != nil {
+			m.refusals[refusalReason(err)].Add(1)
+		}
+	}
+	if e.traceID != 0 && a.RequestID == e.traceID {
+		e.log.Debug("kvferry: trace: peer access", "request", a.RequestID, "initiator", a.Initiator, "op", a.Op,
+			"addr", fmt.Sprintf("%#x", a.Addr), "bytes", a.Length, "fence_epoch", a.Epoch, "direct", a.Direct, "refused", err)
+	}
+	return t, err
+}
+
+func (e *Engine) admit(a transport.Access) (transport.Target, error) {
 	if a.Op != transport.Read && a.Op != transport.Write {
 		return transport.Target{}, fmt.Errorf("%w: op %d", ErrInvalidArg, a.Op)
 	}

@@ -81,6 +81,15 @@ type pendingFence struct {
 // (DefaultTimeout when ctx has none). The error is non-nil only for invalid
 // arguments or a closed engine.
 func (e *Engine) Fence(ctx context.Context, ranges []FenceRange) (FenceResult, error) {
+	start := time.Now()
+	res, err := e.fenceRanges(ctx, ranges)
+	if err == nil && e.metrics != nil {
+		observeSafe(e.metrics.fence, start, res.Safe)
+	}
+	return res, err
+}
+
+func (e *Engine) fenceRanges(ctx context.Context, ranges []FenceRange) (FenceResult, error) {
 	if err := e.checkOpen(); err != nil {
 		return FenceResult{}, err
 	}

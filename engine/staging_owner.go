@@ -83,17 +83,17 @@ func (e *Engine) stageTarget(t transport.Target, r *memory.Region, a *transport.
 		return t, nil
 	}
 	if _, err := e.cuda(); err != nil {
-		return transport.Target{}, fmt.Errorf("%w: GPU memory without the CUDA driver: %w", ErrRefused, err)
+		return transport.Target{}, fmt.Errorf("%w: %w: GPU memory without the CUDA driver: %w", ErrRefused, errGPUStaging, err)
 	}
 	size := stageSize(int(a.Length))
 	if !e.reserveOwnerStage(size) {
 		e.stats.ownerStageRefused.Add(1)
-		return transport.Target{}, fmt.Errorf("%w: GPU staging for peers' accesses is at its bound (%d MiB)", ErrRefused, ownerStageMax>>20)
+		return transport.Target{}, fmt.Errorf("%w: %w: GPU staging for peers' accesses is at its bound (%d MiB)", ErrRefused, errGPUStaging, ownerStageMax>>20)
 	}
 	buf, err := e.getStage(dev, int(a.Length))
 	if err != nil {
 		e.releaseOwnerStage(size)
-		return transport.Target{}, fmt.Errorf("%w: %w", ErrRefused, err)
+		return transport.Target{}, fmt.Errorf("%w: %w: %w", ErrRefused, errGPUStaging, err)
 	}
 	t.Mem = buf.mem[:a.Length:a.Length]
 	t.Stage = &ownerStage{e: e, dev: dev, addr: a.Addr, buf: buf, n: int(a.Length)}

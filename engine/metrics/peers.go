@@ -1,0 +1,277 @@
+// Package metrics holds what the engine's Prometheus metrics need beyond
+// client_golang itself: a bounded table of per-peer counters (so that a
+// cluster of thousands of peers cannot make thousands of label values), the
+// size classes transfer latencies are kept by, and the optional HTTP
+// listener that serves every engine of the process.
+package metrics
+
+import (
+	"sort"
+	"sync"
+	"sync/atomic"
+)
+
+// OtherPeer is the peer label of everything counted for peers that have no
+// label of their own.
+const OtherPeer = "other"
+
+// Ops, transports and statuses a peer's counters are kept by. Their order
+// is the index into Peer's arrays.
+var (
+	Ops        = [...]string{"read", "write"}
+	Transports = [...]string{"tcp", "rdma", "shm", "local"}
+	Statuses   = [...]string{"completed", "failed", "canceled", "aborted"}
+)
+
+// Peer holds one peer's counters (or those of every peer under OtherPeer).
+// All fields are updated with atomics: the data path never takes a lock to
+// count.
+type Peer struct {
+	name string
+	// Bytes of completed transfers, by op and transport.
+	bytes [len(Ops)][len(Transports)]atomic.Uint64
+	// Transfers that ended, by op, transport and status.
+	tasks [len(Ops)][len(Transports)][len(Statuses)]atomic.Uint64
+
+	// refs counts callers between Acquire and Release; retired is set when
+	// the peer gave its label up. A retired peer's counts are folded into
+	// OtherPeer only once no caller holds it, so none is lost: Acquire
+	// raises refs before it reads retired, retire sets retired before it
+	// reads refs, and Go's atomics are sequentially consistent, so one of
+	// the two sees the other.
+	refs    atomic.Int64
+	retired atomic.Bool
+	// last is the activity count at the last rebalance; only Rebalance
+	// reads and writes it, under the table's lock.
+	last uint64
+}
+
+// Name is the peer's label value.
+func (p *Peer) Name() string { return p.name }
+
+// Count records one transfer that ended: op, transport and status are
+// indexes into Ops, Transports and Statuses; bytes counts only when the
+// transfer completed.
+func (p *Peer) Count(op, transport, status int, bytes uint64) {
+	p.tasks[op][transport][status].Add(1)
+	if status == 0 && bytes > 0 {
+		p.bytes[op][transport].Add(bytes)
+	}
+}
+
+// Release ends what Acquire began.
+func (p *Peer) Release() { p.refs.Add(-1) }
+
+// activity is the number of transfers counted so far: a peer whose
+// activity did not move over an interval was idle.
+func (p *Peer) activity() uint64 {
+	var n uint64
+	for o := range p.tasks {
+		for t := range p.tasks[o] {
+			for s := range p.tasks[o][t] {
+				n += p.tasks[o][t][s].Load()
+			}
+		}
+	}
+	return n
+}
+
+// addTo adds the peer's counts to dst's.
+func (p *Peer) addTo(dst *Peer) {
+	for o := range p.tasks {
+		for t := range p.tasks[o] {
+			dst.bytes[o][t].Add(p.bytes[o][t].Load())
+			for s := range p.tasks[o][t] {
+				dst.tasks[o][t][s].Add(p.tasks[o][t][s].Load())
+			}
+		}
+	}
+}
+
+// Sample is one series of a peer's counters, as Snapshot reports it.
+type Sample struct {
+	Peer, Op, Transport, Status string // Status is "" for bytes
+	Value                       uint64
+}
+
+// PeerTable gives at most Max peers a label of their own; the others count
+// under OtherPeer. A peer keeps its label while it moves data; one that
+// moved nothing over a whole rebalance interval gives it up (its counts
+// join OtherPeer's, so every series stays monotonic) and the busiest peers
+// counted under OtherPeer since the last rebalance take the free labels.
+// Memory is bounded too: at most Max labeled peers, the ones giving their
+// label up, and 4*Max candidates.
+type PeerTable struct {
+	max int
+
+	mu       sync.RWMutex
+	byName   map[string]*Peer
+	retiring []*Peer // gave their label up; folded into other once unheld
+	other    Peer
+
+	// candidates counts, since the last rebalance, the transfers of peers
+	// counted under OtherPeer (at most candidateFactor*max names: past it
+	// the least active half is dropped, as a space-saving sketch would).
+	candMu     sync.Mutex
+	candidates map[string]uint64
+}
+
+const candidateFactor = 4
+
+// NewPeerTable returns a table giving at most max peers (at least 1) their
+// own label.
+func NewPeerTable(max int) *PeerTable {
+	if max < 1 {
+		max = 1
+	}
+	return &PeerTable{max: max, byName: map[string]*Peer{}, other: Peer{name: OtherPeer}, candidates: map[string]uint64{}}
+}
+
+// Max is the number of peers that may have a label of their own.
+func (t *PeerTable) Max() int { return t.max }
+
+// Acquire returns the counters to count a transfer with peer name in: its
+// own while it has a label (one is given when a slot is free), OtherPeer's
+// otherwise. The caller calls Release on it once it counted.
+func (t *PeerTable) Acquire(name string) *Peer {
+	t.mu.RLock()
+	p := t.byName[name]
+	full := len(t.byName) >= t.max
+	t.mu.RUnlock()
+	if p == nil && !full {
+		t.mu.Lock()
+		if p = t.byName[name]; p == nil && len(t.byName) < t.max {
+			p = &Peer{name: name}
+			t.byName[name] = p
+		}
+		t.mu.Unlock()
+	}
+	if p != nil {
+		p.refs.Add(1)
+		if !p.retired.Load() {
+			return p
+		}
+		p.refs.Add(-1)
+	}
+	t.noteCandidate(name)
+	t.other.refs.Add(1)
+	return &t.other
+}
+
+func (t *PeerTable) noteCandidate(name string) {
+	t.candMu.Lock()
+	defer t.candMu.Unlock()
+	if _, ok := t.candidates[name]; !ok && len(t.candidates) >= candidateFactor*t.max {
+		t.dropQuietCandidatesLocked()
+	}
+	t.candidates[name]++
+}
+
+// dropQuietCandidatesLocked forgets the less active half of the candidates.
+func (t *PeerTable) dropQuietCandidatesLocked() {
+	counts := make([]uint64, 0, len(t.candidates))
+	for _, n := range t.candidates {
+		counts = append(counts, n)
+	}
+	sort.Slice(counts, func(i, j int) bool { return counts[i] < counts[j] })
+	median := counts[len(counts)/2]
+	for name, n := range t.candidates {
+		if n <= median {
+			delete(t.candidates, name)
+		}
+	}
+}
+
+// Rebalance takes labels from peers idle since the last call and gives free
+// labels to the busiest candidates; peers that gave a label up are folded
+// into OtherPeer once no caller holds them. The engine calls it at most
+// once per interval, from a scrape.
+func (t *PeerTable) Rebalance() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for name, p := range t.byName {
+		a := p.activity()
+		if a == p.last {
+			p.retired.Store(true)
+			delete(t.byName, name)
+			t.retiring = append(t.retiring, p)
+			continue
+		}
+		p.last = a
+	}
+	kept := t.retiring[:0]
+	for _, p := range t.retiring {
+		if p.refs.Load() > 0 {
+			kept = append(kept, p)
+			continue
+		}
+		p.addTo(&t.other)
+	}
+	clear(t.retiring[len(kept):])
+	t.retiring = kept
+
+	t.candMu.Lock()
+	type cand struct {
+		name string
+		n    uint64
+	}
+	cs := make([]cand, 0, len(t.candidates))
+	for name, n := range t.candidates {
+		cs = append(cs, cand{name, n})
+	}
+	clear(t.candidates)
+	t.candMu.Unlock()
+	sort.Slice(cs, func(i, j int) bool { return cs[i].n > cs[j].n || cs[i].n == cs[j].n && cs[i].name < cs[j].name })
+	for _, c := range cs {
+		if len(t.byName) >= t.max {
+			break
+		}
+		if _, ok := t.byName[c.name]; !ok {
+			// Its activity starts at zero: a label given now counts
+			// from now; what came before stays in OtherPeer.
+			t.byName[c.name] = &Peer{name: c.name, last: 0}
+		}
+	}
+}
+
+// Labeled returns the number of peers with a label of their own.
+func (t *PeerTable) Labeled() int {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	return len(t.byName)
+}
+
+// Snapshot returns every nonzero series: one per labeled peer, op,
+// transport (and status, for transfer counts), and OtherPeer's, which
+// includes the peers still giving their label up.
+func (t *PeerTable) Snapshot() (bytes, tasks []Sample) {
+	t.mu.RLock()
+	peers := make([]*Peer, 0, len(t.byName))
+	for _, p := range t.byName {
+		peers = append(peers, p)
+	}
+	var other Peer
+	t.other.addTo(&other)
+	for _, p := range t.retiring {
+		p.addTo(&other)
+	}
+	t.mu.RUnlock()
+	other.name = OtherPeer
+	sort.Slice(peers, func(i, j int) bool { return peers[i].name < peers[j].name })
+	peers = append(peers, &other)
+	for _, p := range peers {
+		for o := range p.tasks {
+			for tr := range p.tasks[o] {
+				if v := p.bytes[o][tr].Load(); v > 0 {
+					bytes = append(bytes, Sample{p.name, Ops[o], Transports[tr], "", v})
+				}
+				for s := range p.tasks[o][tr] {
+					if v := p.tasks[o][tr][s].Load(); v > 0 {
+						tasks = append(tasks, Sample{p.name, Ops[o], Transports[tr], Statuses[s], v})
+					}
+				}
+			}
+		}
+	}
+	return bytes, tasks
+}

@@ -1,0 +1,153 @@
+package metrics
+
+import (
+	"fmt"
+	"sync"
+	"testing"
+)
+
+func count(t *PeerTable, name string, bytes uint64) {
+	p := t.Acquire(name)
+	p.Count(1, 0, 0, bytes)
+	p.Release()
+}
+
+func totals(t *PeerTable) (bytes map[string]uint64, sum uint64) {
+	bs, _ := t.Snapshot()
+	bytes = map[string]uint64{}
+	for _, s := range bs {
+		bytes[s.Peer] += s.Value
+		sum += s.Value
+	}
+	return bytes, sum
+}
+
+func TestAThousandPeersMakeAtMostMaxLabelsPlusOtherAndLoseNothing(t *testing.T) {
+	const max, peers = 32, 1000
+	tab := NewPeerTable(max)
+	var want uint64
+	for round := range 3 {
+		for i := range peers {
+			count(tab, fmt.Sprintf("10.0.%d.%d:5000", i/256, i%256), uint64(i+1))
+			want += uint64(i + 1)
+		}
+		if round == 1 {
+			tab.Rebalance()
+		}
+	}
+	bytes, sum := totals(tab)
+	if len(bytes) > max+1 {
+		t.Fatalf("%d peer labels for %d peers, want at most %d", len(bytes), peers, max+1)
+	}
+	if _, ok := bytes[OtherPeer]; !ok {
+		t.Fatal("no other series")
+	}
+	if sum != want {
+		t.Fatalf("bytes over all labels = %d, want %d", sum, want)
+	}
+	tab.candMu.Lock()
+	cands := len(tab.candidates)
+	tab.candMu.Unlock()
+	if cands > candidateFactor*max {
+		t.Fatalf("%d candidates remembered, want at most %d", cands, candidateFactor*max)
+	}
+}
+
+func TestAnIdlePeerGivesItsLabelToTheBusiestOtherAndOtherNeverDecreases(t *testing.T) {
+	tab := NewPeerTable(2)
+	count(tab, "a", 100)
+	count(tab, "b", 100)
+	count(tab, "c", 5) // no label free: other
+	count(tab, "d", 7)
+	count(tab, "d", 7)
+	tab.Rebalance() // a and b were active since their labels were given
+	before, _ := totals(tab)
+	if before[OtherPeer] != 19 || before["a"] != 100 || before["b"] != 100 {
+		t.Fatalf("before: %v", before)
+	}
+
+	count(tab, "b", 1)
+	count(tab, "d", 7) // busiest under other since the last rebalance
+	count(tab, "d", 7)
+	count(tab, "c", 5)
+	tab.Rebalance() // a was idle: it goes, d comes
+	after, sum := totals(tab)
+	if _, ok := after["a"]; ok {
+		t.Errorf("idle peer a kept its label: %v", after)
+	}
+	if after[OtherPeer] < before[OtherPeer] {
+		t.Errorf("other went down: %d -> %d", before[OtherPeer], after[OtherPeer])
+	}
+	if after[OtherPeer] != 100+19+19 || after["b"] != 101 {
+		t.Errorf("after: %v, want other 138 (a's 100 folded in) and b 101", after)
+	}
+	if sum != 100+101+5+5+7*4 {
+		t.Errorf("sum = %d", sum)
+	}
+	count(tab, "d", 3)
+	got, _ := totals(tab)
+	if got["d"] != 3 {
+		t.Errorf("d after it took a's label: %d, want 3 (its earlier bytes stay in other)", got["d"])
+	}
+}
+
+func TestAPeerRetiredWhileACountIsUnderWayLosesNothing(t *testing.T) {
+	tab := NewPeerTable(1)
+	count(tab, "a", 1)
+	tab.Rebalance()
+	held := tab.Acquire("a") // a count under way across the next rebalance
+	tab.Rebalance()          // a idle since the last one: retired, but held
+	held.Count(1, 0, 0, 10)
+	held.Release()
+	tab.Rebalance() // now unheld: folded into other
+	bytes, sum := totals(tab)
+	if sum != 11 || bytes[OtherPeer] != 11 {
+		t.Fatalf("after the held count: %v (sum %d), want other 11", bytes, sum)
+	}
+}
+
+func TestConcurrentCountsAndRebalancesLoseNothing(t *testing.T) {
+	tab := NewPeerTable(4)
+	const workers, each = 8, 2000
+	var wg sync.WaitGroup
+	stop := make(chan struct{})
+	var rebalancer sync.WaitGroup
+	rebalancer.Add(1)
+	go func() {
+		defer rebalancer.Done()
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+				tab.Rebalance()
+			}
+		}
+	}()
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range each {
+				count(tab, fmt.Sprintf("peer-%d", (w*each+i)%13), 1)
+			}
+		}()
+	}
+	wg.Wait()
+	close(stop)
+	rebalancer.Wait()
+	if _, sum := totals(tab); sum != workers*each {
+		t.Fatalf("sum = %d, want %d", sum, workers*each)
+	}
+}
+
+func TestSizeClasses(t *testing.T) {
+	for _, c := range []struct {
+		n    uint64
+		want string
+	}{{1, "le_64KiB"}, {64 << 10, "le_64KiB"}, {64<<10 + 1, "le_1MiB"}, {1 << 20, "le_1MiB"}, {16 << 20, "le_16MiB"}, {16<<20 + 1, "gt_16MiB"}} {
+		if got := SizeClasses[SizeClass(c.n)]; got != c.want {
+			t.Errorf("SizeClass(%d) = %s, want %s", c.n, got, c.want)
+		}
+	}
+}
