@@ -209,6 +209,17 @@ func kvfgo_engine_name(h C.uintptr_t, buf *C.char, capacity C.size_t, lenOut *C.
 	})
 }
 
+//export kvfgo_metrics_text
+func kvfgo_metrics_text(h C.uintptr_t, buf *C.char, capacity C.size_t, lenOut *C.size_t) C.int {
+	return withHandle("kvf_metrics_text", h, func(fn string, eh *engineH) C.int {
+		text, err := eh.e.MetricsText()
+		if err != nil {
+			return result(fn, err)
+		}
+		return copyString(fn, text, buf, capacity, lenOut)
+	})
+}
+
 //export kvfgo_engine_public_key
 func kvfgo_engine_public_key(h C.uintptr_t, buf *C.char, capacity C.size_t, lenOut *C.size_t) C.int {
 	return withHandle("kvf_engine_public_key", h, func(fn string, eh *engineH) C.int {

@@ -131,6 +131,10 @@ kvf_status kvf_engine_name(kvf_engine engine, char *buf, size_t cap, size_t *len
     return (kvf_status)kvfgo_engine_name(H(engine), buf, cap, len_out);
 }
 
+kvf_status kvf_metrics_text(kvf_engine engine, char *buf, size_t cap, size_t *len_out) {
+    return (kvf_status)kvfgo_metrics_text(H(engine), buf, cap, len_out);
+}
+
 kvf_status kvf_engine_public_key(kvf_engine engine, char *buf, size_t cap, size_t *len_out) {
     return (kvf_status)kvfgo_engine_public_key(H(engine), buf, cap, len_out);
 }

@@ -58,12 +58,12 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define KVF_VERSION_MAJOR 0
-#define KVF_VERSION_MINOR 5
+#define KVF_VERSION_MINOR 6
 #define KVF_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, as zstd's ZSTD_VERSION_NUMBER. */
 #define KVF_VERSION_NUMBER \
     (KVF_VERSION_MAJOR * 10000 + KVF_VERSION_MINOR * 100 + KVF_VERSION_PATCH)
-#define KVF_VERSION_STRING "0.5.0"
+#define KVF_VERSION_STRING "0.6.0"
 
 /* The library's KVF_VERSION_NUMBER, to check that header and library agree
  * (the major version must match; a library at least as new as the header is
@@ -344,6 +344,20 @@ typedef struct kvf_stats {
 
 /* Fills *out (struct_size set by the caller, at least 8). Never blocks. */
 kvf_status kvf_engine_stats(kvf_engine engine, kvf_stats *out);
+
+/* Since 0.6. Copies the engine's metrics in the Prometheus text format
+ * (version 0.0.4: what a /metrics endpoint serves), NUL-terminated, into buf
+ * of cap bytes, as kvf_engine_name does: *len_out (may be NULL) receives the
+ * text's length without the NUL, also on KVF_ERR_TRUNCATED (nothing is
+ * written then); buf NULL with cap 0 is a length query. The text is made
+ * afresh at each call and may have grown since a length query: on
+ * KVF_ERR_TRUNCATED call again with a larger buffer (some headroom, say a
+ * quarter more, saves a third call). Every series carries the label
+ * engine="<segment name>", so the texts of several engines can be served
+ * together. A host process that serves /metrics (SGLang, vLLM) appends this
+ * text to its own; KVFERRY_METRICS_ADDR has the library serve it instead.
+ * Thread-safe; it reads counters and never blocks on transfers. */
+kvf_status kvf_metrics_text(kvf_engine engine, char *buf, size_t cap, size_t *len_out);
 
 /* ------------------------------------------------------------------------ */
 /* Memory                                                                   */

@@ -149,6 +149,26 @@ int main(void) {
     CHECK_OK(kvf_engine_stats(b, &sbs));
     CHECK(sbs.tasks_completed == 0xababababababababull, "stats wrote past struct_size");
 
+    /* 6b. Metrics text: a length query, a buffer too small, then the text,
+     * which names the library's version and counts what A wrote to B. */
+    size_t mlen = 0;
+    CHECK_OK(kvf_metrics_text(a, NULL, 0, &mlen));
+    CHECK(mlen > 1000, "metrics text of %zu bytes", mlen);
+    char small[16];
+    EXPECT_ERR(kvf_metrics_text(a, small, sizeof small, &mlen), KVF_ERR_TRUNCATED, "too small");
+    EXPECT_ERR(kvf_metrics_text(a, NULL, 8, NULL), KVF_ERR_INVALID, "buf is NULL");
+    size_t mcap = mlen + mlen / 4 + 4096;
+    char *mtext = malloc(mcap);
+    CHECK(mtext != NULL, "malloc");
+    CHECK_OK(kvf_metrics_text(a, mtext, mcap, &mlen));
+    CHECK(strlen(mtext) == mlen, "length %zu vs %zu", strlen(mtext), mlen);
+    CHECK(strstr(mtext, "kvferry_info{engine=\"") != NULL, "no kvferry_info");
+    CHECK(strstr(mtext, "version=\"" KVF_VERSION_STRING "\"") != NULL, "the text names another version");
+    char want[512];
+    snprintf(want, sizeof want, "kvferry_transfers_total{engine=\"%s\",op=\"write\",peer=\"%s\",status=\"completed\",transport=\"", aname, bname);
+    CHECK(strstr(mtext, want) != NULL, "no completed writes to B in:\n%s", mtext);
+    free(mtext);
+
     /* 7. Two handles of one segment share it; closing one keeps the other. */
     kvf_segment sb2 = NULL;
     CHECK_OK(kvf_open_segment(a, bname, 5000, &sb2));

@@ -33,7 +33,7 @@ from typing import List, Optional
 # The header's KVF_VERSION_MAJOR this binding was written for.
 ABI_MAJOR = 0
 # The oldest library minor version with every function declared here.
-ABI_MIN_MINOR = 4
+ABI_MIN_MINOR = 6
 
 TIMEOUT_DEFAULT = -1
 EVENT_DATA_MAX = 64
@@ -286,6 +286,7 @@ def _declare(l: ctypes.CDLL) -> None:
         "kvf_engine_public_key": (st, [vp, c_char_p, sz, szp]),
         "kvf_engine_reload_allowlist": (st, [vp, c_int]),
         "kvf_engine_stats": (st, [vp, POINTER(Stats)]),
+        "kvf_metrics_text": (st, [vp, c_char_p, sz, szp]),
         "kvf_register_memory": (st, [vp, vp, sz, c_char_p]),
         "kvf_unregister_memory": (st, [vp, vp]),
         "kvf_register_memory_batch": (st, [vp, POINTER(MemoryRange), sz]),
@@ -326,6 +327,21 @@ def status_name(code: int) -> str:
     if l is None:
         return f"status {code}"
     return l.kvf_status_str(code).decode()
+
+
+def read_growing_text(fn, handle) -> str:
+    """Calls a kvf_metrics_text-style function, whose text may grow between
+    a length query and the call that copies it: it retries with headroom."""
+    n = c_size_t(0)
+    check(fn(handle, None, 0, ctypes.byref(n)))
+    for _ in range(8):
+        buf = ctypes.create_string_buffer(n.value + n.value // 4 + 4096)
+        code = fn(handle, buf, len(buf), ctypes.byref(n))
+        if code != ERR_TRUNCATED:
+            check(code)
+            return buf.raw[:n.value].decode()
+    check(code)
+    raise AssertionError("unreachable")
 
 
 def check(code: int) -> None:

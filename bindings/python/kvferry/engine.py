@@ -907,6 +907,14 @@ class Engine:
         _check(lib, lib.kvf_engine_stats(self._handle(), byref(s)))
         return Stats(*(getattr(s, f) for f in _STATS_FIELDS))
 
+    def metrics_text(self) -> str:
+        """The engine's metrics in the Prometheus text format (version
+        0.0.4), what a ``/metrics`` endpoint serves; every series carries
+        ``engine="<segment name>"``. To serve them from a process that
+        already has a ``/metrics`` (SGLang, vLLM), see
+        :func:`kvferry.register_prometheus`."""
+        return _lib.read_growing_text(_L().kvf_metrics_text, self._handle())
+
     # -- memory -----------------------------------------------------------
 
     def register(self, obj: Any, length: Optional[int] = None, *, location: Optional[str] = None) -> int:

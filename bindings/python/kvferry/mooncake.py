@@ -357,6 +357,12 @@ class TransferEngine:
         _str(segment_name, "segment_name")
         return 0
 
+    def metrics_text(self) -> str:
+        """kvferry extension: the engine's metrics in the Prometheus text
+        format (see :func:`kvferry.register_prometheus` to serve them with
+        the host process's own ``/metrics``)."""
+        return _lib.read_growing_text(self._lib.kvf_metrics_text, self._require())
+
     def get_rpc_port(self) -> int:
         """The port peers reach this engine on (session id "host:port")."""
         self._require()

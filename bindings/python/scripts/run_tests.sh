@@ -37,6 +37,15 @@ if [ "${KVFERRY_TEST_NO_NUMPY:-}" != 1 ] && ! "$python" -c 'import numpy' 2>/dev
     echo "test-python: could not install numpy (offline?); its tests will skip"
 fi
 
+# prometheus_client parses the metrics text in the metrics tests and is what
+# register_prometheus feeds (kvferry never imports it unless asked); offline,
+# those tests skip and say why.
+if [ "${KVFERRY_TEST_NO_PROMETHEUS:-}" != 1 ] && ! "$python" -c 'import prometheus_client' 2>/dev/null; then
+  echo "test-python: installing prometheus_client for the metrics tests"
+  timeout 300 "$python" -m pip install -q --disable-pip-version-check prometheus_client >/dev/null 2>&1 ||
+    echo "test-python: could not install prometheus_client (offline?); its tests will skip"
+fi
+
 # The Go runtime reads the environment the process was started with, not
 # os.environ: a developer's KVFERRY_PROTOCOL or MC_TRANSFER_TIMEOUT must not
 # reach pytest's own process (tests/conftest.py cleans it for the children).
