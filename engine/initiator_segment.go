@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/metrics"
 	"github.com/kvferry/kvferry/engine/fence"
 	"github.com/kvferry/kvferry/engine/transport"
 )
@@ -83,6 +84,8 @@ type Segment struct {
 	// transport is proto's index into metrics.Transports (local for our
 	// own segment), for the metrics, read without the lock.
 	transport atomic.Int32
+	// peerStat memoizes the metrics' counters of this peer.
+	peerStat atomic.Pointer[metrics.Cached]
 	closed    error // set by shutdown
 	next      atomic.Uint32
 

@@ -142,7 +142,7 @@ func (m *engineMetrics) taskEnded(t *task, st TaskStatus) {
 	case Aborted:
 		status = 3
 	}
-	p := m.peers.Acquire(t.req.Segment.name)
+	p := m.peers.AcquireCached(t.req.Segment.name, &t.req.Segment.peerStat)
 	p.Count(op, int(t.transport), status, t.req.Length)
 	p.Release()
 	m.bytesInFlight.Add(-int64(t.req.Length))

@@ -7,6 +7,8 @@
 //	kvferry-bench --mode auth --duration 2
 //	kvferry-bench --mode pingpong --block-size 4096 --duration 6
 //	kvferry-bench --mode samehost --duration 12
+//	kvferry-bench --mode loopback --duration 20 --metrics-addr 127.0.0.1:9400
+//	kvferry-bench --mode metrics-cost --protocol tcp --block-size 65536 --duration 2
 //
 // Modes: target (serve a buffer and wait), initiator (move data to or from a
 // target named by --segment), loopback (both in one process, TCP on
@@ -48,6 +50,10 @@ type config struct {
 	twoProcess                       bool          // abort mode: the initiator in a child process
 	clusterSecret                    string        // engines authenticate with this cluster secret file
 	pathsGiven                       bool          // --paths was given
+	metricsAddr                      string        // engines serve their metrics here (--metrics-addr)
+	metricsOff                       bool          // --metrics off: no per-task counting
+	rounds                           int           // metrics-cost mode: rounds of each setting
+	progressEvery                    time.Duration // a progress line this often (0: every 5 s from 10 s runs)
 }
 
 func main() {
@@ -69,8 +75,20 @@ func main() {
 	flag.DurationVar(&c.abortEvery, "abort-interval", 10*time.Millisecond, "abort mode: mean time between aborts (uniform in [x/2, 3x/2])")
 	flag.BoolVar(&c.twoProcess, "two-process", false, "abort mode: run the initiator (prefill) as a child process")
 	flag.StringVar(&c.clusterSecret, "cluster-secret-file", "", "engines authenticate with this cluster secret (auth mode: a temporary one when empty)")
+	flag.StringVar(&c.metricsAddr, "metrics-addr", "", "serve the engines' metrics at http://ADDR/metrics during the run (as KVFERRY_METRICS_ADDR)")
+	metricsOn := flag.String("metrics", "on", "on | off: off leaves per-task counting out of the engines (KVFERRY_METRICS=0)")
+	flag.IntVar(&c.rounds, "rounds", 5, "metrics-cost mode: rounds of each setting, alternating")
+	flag.DurationVar(&c.progressEvery, "progress", 0, "print the rate every this long (0: every 5 s in runs of 10 s or more)")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile to this file")
 	flag.Parse()
+	switch *metricsOn {
+	case "on":
+	case "off":
+		c.metricsOff = true
+	default:
+		fmt.Fprintf(os.Stderr, "kvferry-bench: --metrics %q: want on or off\n", *metricsOn)
+		os.Exit(2)
+	}
 	if c.mode == "abort" || c.mode == "fence" {
 		given := map[string]bool{}
 		flag.Visit(func(f *flag.Flag) { given[f.Name] = true })
@@ -112,22 +130,23 @@ func main() {
 
 // modes are the --mode values and what runs each.
 var modes = map[string]func(config) error{
-	"target":    runTarget,
-	"initiator": func(c config) error { return runInitiator(c, nil) },
-	"loopback":  runLoopback,
-	"raw-tcp":   runRawTCP,
-	"abort":     runAbort,
-	"fence":     runFence,
-	"auth":      runAuthCompare,
-	"pingpong":  runPingPong,
-	"samehost":  runSameHost,
+	"target":       runTarget,
+	"initiator":    func(c config) error { return runInitiator(c, nil) },
+	"loopback":     runLoopback,
+	"raw-tcp":      runRawTCP,
+	"abort":        runAbort,
+	"fence":        runFence,
+	"auth":         runAuthCompare,
+	"pingpong":     runPingPong,
+	"samehost":     runSameHost,
+	"metrics-cost": runMetricsCost,
 	// pong-server is pingpong mode's raw TCP peer process.
 	"pong-server": runPongServer,
 }
 
 func (c *config) check() error {
 	if _, ok := modes[c.mode]; !ok {
-		return fmt.Errorf("--mode %q: want target, initiator, loopback, raw-tcp, abort, fence, auth, pingpong or samehost", c.mode)
+		return fmt.Errorf("--mode %q: want target, initiator, loopback, raw-tcp, abort, fence, auth, pingpong, samehost or metrics-cost", c.mode)
 	}
 	if c.op != "write" && c.op != "read" {
 		return fmt.Errorf("--op %q: want write or read", c.op)
@@ -151,7 +170,8 @@ func (c *config) check() error {
 }
 
 func (c *config) engineOptions() engine.Options {
-	return engine.Options{Host: c.host, SliceSize: c.sliceSize, PathsPerPeer: c.pathCount, ClusterSecretFile: c.clusterSecret, Protocol: c.proto}
+	return engine.Options{Host: c.host, SliceSize: c.sliceSize, PathsPerPeer: c.pathCount, ClusterSecretFile: c.clusterSecret, Protocol: c.proto,
+		MetricsAddr: c.metricsAddr, MetricsOff: c.metricsOff}
 }
 
 // newEngine starts an engine with c's options and allocates size bytes of
@@ -304,6 +324,9 @@ func initiate(c config, targetBuf []byte) (gbps float64, err error) {
 	}
 	fmt.Printf("kvferry-bench: mode=%s protocol=%s op=%s segment=%s block=%d batch=%d threads=%d paths=%d duration=%gs\n",
 		c.mode, proto, c.op, c.segment, c.blockSize, c.batchSize, c.threads, c.pathCount, c.duration)
+	if addr := e.MetricsAddr(); addr != "" {
+		fmt.Printf("kvferry-bench: metrics at http://%s/metrics (engine %s)\n", addr, e.Name())
+	}
 
 	var total atomic.Uint64
 	stop := time.Now().Add(time.Duration(c.duration * float64(time.Second)))
@@ -420,10 +443,14 @@ func moveAll(ctx context.Context, e *engine.Engine, seg *engine.Segment, op engi
 
 // progress prints throughput every 5 seconds on runs of 10 seconds or more.
 func progress(c config, total *atomic.Uint64, start time.Time, done chan struct{}) {
-	if c.duration < 10 {
-		return
+	every := c.progressEvery
+	if every <= 0 {
+		if c.duration < 10 {
+			return
+		}
+		every = 5 * time.Second
 	}
-	tick := time.NewTicker(5 * time.Second)
+	tick := time.NewTicker(every)
 	defer tick.Stop()
 	last, lastT := uint64(0), start
 	for {

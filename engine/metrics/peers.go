@@ -114,6 +114,37 @@ type PeerTable struct {
 	// the least active half is dropped, as a space-saving sketch would).
 	candMu     sync.Mutex
 	candidates map[string]uint64
+
+	// gen changes whenever a rebalance moves a label, so that a Cached
+	// lookup made before it is made again.
+	gen atomic.Uint64
+}
+
+// Cached is one caller's memo of a peer's counters (a segment keeps one):
+// AcquireCached skips the table's lock while the memo holds.
+type Cached struct {
+	p   *Peer
+	gen uint64
+}
+
+// AcquireCached is Acquire through memo: while no rebalance moved a label
+// since memo was made, it costs two atomics and takes no lock.
+func (t *PeerTable) AcquireCached(name string, memo *atomic.Pointer[Cached]) *Peer {
+	gen := t.gen.Load()
+	if c := memo.Load(); c != nil && c.gen == gen {
+		p := c.p
+		p.refs.Add(1)
+		if !p.retired.Load() {
+			if p == &t.other {
+				t.noteCandidate(name)
+			}
+			return p
+		}
+		p.refs.Add(-1)
+	}
+	p := t.Acquire(name)
+	memo.Store(&Cached{p: p, gen: gen})
+	return p
 }
 
 const candidateFactor = 4
@@ -189,6 +220,9 @@ func (t *PeerTable) dropQuietCandidatesLocked() {
 func (t *PeerTable) Rebalance() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	// Bumped before labels move: a memo made from here on is made again
+	// at the next rebalance at the latest.
+	t.gen.Add(1)
 	for name, p := range t.byName {
 		a := p.activity()
 		if a == p.last {
