@@ -3,7 +3,8 @@
 // key (see the README's Authentication section). `kvferry topo` prints the GPUs,
 // the RDMA NICs and the NIC preference matrix this machine would publish:
 // for each memory location (cpu:N per NUMA node, cuda:N per GPU), the NICs
-// in the order slices use them.
+// in the order slices use them. `kvferry top` is a live view of engines'
+// metrics endpoints (see top.go).
 //
 // GPUs come from NVML (go-nvml) when libnvidia-ml is present, else from the
 // CUDA driver (the cuda package, as the library itself uses). go-nvml lives
@@ -12,6 +13,7 @@
 package main
 
 import (
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -33,7 +35,9 @@ func main() {
 	flag.Usage = func() {
 		fmt.Fprintf(os.Stderr, "usage: kvferry keygen --secret FILE [--public FILE]\n"+
 			"       kvferry pubkey --secret FILE\n"+
-			"       kvferry topo [--sys DIR]\n\n"+
+			"       kvferry topo [--sys DIR]\n"+
+			"       kvferry top [--interval 1s] [--count N] ENDPOINT...\n\n"+
+			"top shows engines' metrics live (ENDPOINT: host:port of KVFERRY_METRICS_ADDR, or a /metrics URL).\n"+
 			"keygen writes a new CURVE key pair (the secret key with mode 0600); pubkey\n"+
 			"prints a secret key's public key, the line peers add to their allowlists.\n"+
 			"Prints GPUs, RDMA NICs and the NIC preference matrix. Environment:\n"+
@@ -47,6 +51,16 @@ func main() {
 			run = runPubkey
 		}
 		if err := run(os.Stdout, os.Args[2:]); err != nil {
+			fmt.Fprintln(os.Stderr, "kvferry:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	if len(os.Args) >= 2 && os.Args[1] == "top" {
+		if err := runTop(os.Stdout, os.Args[2:]); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				os.Exit(0)
+			}
 			fmt.Fprintln(os.Stderr, "kvferry:", err)
 			os.Exit(1)
 		}
