@@ -11,8 +11,8 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine/control"
-	"github.com/kvferry/kvferry/engine/metrics"
 	"github.com/kvferry/kvferry/engine/fence"
+	"github.com/kvferry/kvferry/engine/metrics"
 	"github.com/kvferry/kvferry/engine/transport"
 )
 
@@ -86,8 +86,8 @@ type Segment struct {
 	transport atomic.Int32
 	// peerStat memoizes the metrics' counters of this peer.
 	peerStat atomic.Pointer[metrics.Cached]
-	closed    error // set by shutdown
-	next      atomic.Uint32
+	closed   error // set by shutdown
+	next     atomic.Uint32
 
 	misses atomic.Int32
 	dead   atomic.Bool

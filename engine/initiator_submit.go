@@ -100,20 +100,15 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	b.mu.Unlock()
 	e.abortMu.RUnlock()
 	e.stats.tasksInFlight.Add(int64(len(tasks)))
-	if m := e.metrics; m != nil || e.traceID != 0 {
+	if e.metrics != nil || e.traceID != 0 {
 		now := monoNow()
-		var inflight int64
 		for _, t := range tasks {
 			t.start, t.transport = now, t.req.Segment.transport.Load()
-			inflight += int64(t.req.Length)
 			if e.traceID != 0 && t.req.RequestID == e.traceID {
 				e.log.Debug("kvferry: trace: transfer submitted", "request", t.req.RequestID, "segment", t.req.Segment.name,
 					"transport", metrics.Transports[t.transport], "op", t.req.Op, "local", fmt.Sprintf("%#x", t.req.Local),
 					"remote", fmt.Sprintf("%#x", t.req.Remote), "bytes", t.req.Length, "slices", len(t.slices), "fence_epoch", t.epoch)
 			}
-		}
-		if m != nil {
-			m.bytesInFlight.Add(inflight)
 		}
 	}
 	if len(aborted) > 0 {

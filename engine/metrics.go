@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/common/expfmt"
@@ -24,17 +25,16 @@ import (
 type engineMetrics struct {
 	peers *metrics.PeerTable
 	// Transfer latency, submit to final status, by op and size class.
-	xfer    *prometheus.HistogramVec
-	xferObs [len(metrics.Ops)][len(metrics.SizeClasses)]prometheus.Observer
-	abort   *prometheus.HistogramVec // Abort call to its answer, by outcome
-	fence   *prometheus.HistogramVec // Fence call to its answer, by outcome
-	rtt     prometheus.Histogram     // heartbeat round trips answered
+	xfer     [len(metrics.Ops)][len(metrics.SizeClasses)]metrics.Histogram
+	xferDesc *prometheus.Desc
+	abort    *prometheus.HistogramVec // Abort call to its answer, by outcome
+	fence    *prometheus.HistogramVec // Fence call to its answer, by outcome
+	rtt      prometheus.Histogram     // heartbeat round trips answered
 
-	bytesInFlight atomic.Int64
-	refusals      [len(refusalReasons)]atomic.Uint64
-	dials         [len(metrics.Transports)][2]atomic.Uint64 // by transport; [0] dialed, [1] failed
-	redials       atomic.Uint64                             // dials of a slot whose path had died
-	peerDeaths    atomic.Uint64
+	refusals   [len(refusalReasons)]atomic.Uint64
+	dials      [len(metrics.Transports)][2]atomic.Uint64 // by transport; [0] dialed, [1] failed
+	redials    atomic.Uint64                             // dials of a slot whose path had died
+	peerDeaths atomic.Uint64
 
 	// rebalanced is when the peer table was last rebalanced (unix nanos).
 	rebalanced atomic.Int64
@@ -81,10 +81,9 @@ func newEngineMetrics(name string, maxPeers int) *engineMetrics {
 	cl := prometheus.Labels{"engine": name}
 	m := &engineMetrics{
 		peers: metrics.NewPeerTable(maxPeers),
-		xfer: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "kvferry_transfer_duration_seconds", ConstLabels: cl, Buckets: metrics.LatencyBuckets,
-			Help: "Transfers we initiated, from Submit to their final status, by op and size class.",
-		}, []string{"op", "size"}),
+		xferDesc: prometheus.NewDesc("kvferry_transfer_duration_seconds",
+			"Transfers we initiated that completed, from Submit to their final status, by op and size class.",
+			[]string{"op", "size"}, cl),
 		abort: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvferry_abort_duration_seconds", ConstLabels: cl, Buckets: metrics.LatencyBuckets,
 			Help: "Abort calls, from the call to its answer (Safe or not), by outcome.",
@@ -97,11 +96,6 @@ func newEngineMetrics(name string, maxPeers int) *engineMetrics {
 			Name: "kvferry_heartbeat_rtt_seconds", ConstLabels: cl, Buckets: metrics.LatencyBuckets,
 			Help: "Round trips of heartbeat pings peers answered.",
 		}),
-	}
-	for o := range metrics.Ops {
-		for c := range metrics.SizeClasses {
-			m.xferObs[o][c] = m.xfer.WithLabelValues(metrics.Ops[o], metrics.SizeClasses[c])
-		}
 	}
 	for _, o := range []string{"safe", "not_safe"} {
 		m.abort.WithLabelValues(o)
@@ -127,6 +121,13 @@ func transportIndex(proto string) int32 {
 	return 0
 }
 
+// shard picks the counters' shard of a task: tasks ended at once on
+// different cores are different records, most likely in different shards.
+func (t *task) shard() int {
+	p := uintptr(unsafe.Pointer(t))
+	return int((p>>7 ^ p>>12) % metrics.Shards)
+}
+
 // taskEnded counts a task that reached its final status st.
 func (m *engineMetrics) taskEnded(t *task, st TaskStatus) {
 	op := 1
@@ -142,12 +143,13 @@ func (m *engineMetrics) taskEnded(t *task, st TaskStatus) {
 	case Aborted:
 		status = 3
 	}
-	p := m.peers.AcquireCached(t.req.Segment.name, &t.req.Segment.peerStat)
-	p.Count(op, int(t.transport), status, t.req.Length)
-	p.Release()
-	m.bytesInFlight.Add(-int64(t.req.Length))
+	sh := t.shard()
+	slot := metrics.Slot{Shard: sh, Op: op, Transport: int(t.transport)}
+	p := m.peers.AcquireCached(t.req.Segment.name, slot, &t.req.Segment.peerStat)
+	p.Count(slot, status, t.req.Length)
+	p.Release(slot)
 	if st == Completed {
-		m.xferObs[op][metrics.SizeClass(t.req.Length)].Observe(float64(monoNow()-t.start) / 1e9)
+		m.xfer[op][metrics.SizeClass(t.req.Length)].Observe(sh, time.Duration(monoNow()-t.start))
 	}
 }
 
@@ -254,8 +256,11 @@ func (c engineCollector) Collect(ch chan<- prometheus.Metric) {
 		for _, x := range tasks {
 			counter("kvferry_transfers_total", x.Value, "peer", x.Peer, "op", x.Op, "transport", x.Transport, "status", x.Status)
 		}
-		gauge("kvferry_bytes_in_flight", float64(m.bytesInFlight.Load()))
-		m.xfer.Collect(ch)
+		for o := range metrics.Ops {
+			for c := range metrics.SizeClasses {
+				ch <- m.xfer[o][c].Metric(m.xferDesc, metrics.Ops[o], metrics.SizeClasses[c])
+			}
+		}
 		m.abort.Collect(ch)
 		m.fence.Collect(ch)
 		m.rtt.Collect(ch)
@@ -274,6 +279,7 @@ func (c engineCollector) Collect(ch chan<- prometheus.Metric) {
 		counter("kvferry_transfer_bytes_total", s.BytesRead, "peer", metrics.OtherPeer, "op", "read", "transport", "any")
 	}
 	gauge("kvferry_tasks_in_flight", float64(s.TasksInFlight))
+	gauge("kvferry_bytes_in_flight", float64(e.bytesInFlight()))
 	counter("kvferry_transfer_retries_total", s.Retries)
 	counter("kvferry_tcp_paths_idled_out_total", s.PathsIdledOut)
 
@@ -377,6 +383,31 @@ func (c engineCollector) Collect(ch chan<- prometheus.Metric) {
 		counter("kvferry_rdma_connects_refused_total", s.RDMAConnectsRefused)
 		gauge("kvferry_rdma_responder_qps", float64(s.RDMAResponderQPs))
 	}
+}
+
+// bytesInFlight adds up the lengths of the transfers we initiated that have
+// not ended, from the live batches: read at a scrape, it costs the data path
+// nothing.
+func (e *Engine) bytesInFlight() uint64 {
+	e.liveMu.Lock()
+	batches := make([]*Batch, 0, len(e.live))
+	for b := range e.live {
+		if b.running.Load() > 0 {
+			batches = append(batches, b)
+		}
+	}
+	e.liveMu.Unlock()
+	var n uint64
+	for _, b := range batches {
+		b.mu.Lock()
+		for _, t := range b.tasks {
+			if !TaskStatus(t.status.Load()).Final() {
+				n += t.req.Length
+			}
+		}
+		b.mu.Unlock()
+	}
+	return n
 }
 
 // pathCounts counts the live paths we hold, by transport, and the open

@@ -421,3 +421,34 @@ func grepLine(text, s string) string {
 	}
 	return ""
 }
+
+func TestMetricsShowWhatIsInFlightWhileItIs(t *testing.T) {
+	// The owner holds each WRITE a while after admitting it, so the
+	// transfer is certainly in flight when the test looks.
+	owner := newEngineWith(t, engine.Options{Testing: engine.Testing{ApplyDelay: time.Second}})
+	init := newEngineWith(t, engine.Options{})
+	dst := alloc(t, owner, 3<<20)
+	src := alloc(t, init, 3<<20)
+	seg := openSegment(t, init, owner.Name())
+	b, err := init.AllocateBatch(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reqs := []engine.Request{write(src[:1<<20], seg, engine.AddrOf(dst), 1<<20), write(src[1<<20:], seg, engine.AddrOf(dst)+1<<20, 2<<20)}
+	if err := b.Submit(testCtx(t, 10*time.Second), reqs); err != nil {
+		t.Fatal(err)
+	}
+	m := metricsOf(t, init)
+	m.require(t, 2, "kvferry_tasks_in_flight")
+	m.require(t, 3<<20, "kvferry_bytes_in_flight")
+	if err := b.Wait(testCtx(t, 10*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	m = metricsOf(t, init)
+	m.require(t, 0, "kvferry_tasks_in_flight")
+	m.require(t, 0, "kvferry_bytes_in_flight")
+	m.require(t, 3<<20, "kvferry_transfer_bytes_total", "peer", owner.Name(), "op", "write", "transport", "tcp")
+	if err := b.Free(); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -4,8 +4,9 @@
 # curl scrapes the endpoint twice in the middle of the run; the bytes the
 # initiator's kvferry_transfer_bytes_total gained between the scrapes, over
 # the time between them, are compared with the bench's own GB/s, as a ratio
-# (TOLERANCE, default 5%). Then one metrics-cost run: the data path with
-# per-task counting on and off, alternating, in the same run.
+# (TOLERANCE, default 5%). Then one metrics-cost run: two loopback pairs
+# side by side at 64 KiB, one counting and one not, their GB/s as a ratio
+# (and two both counting, the floor of what the measurement tells apart).
 #   scripts/metrics-check.sh
 #   PROTOCOLS="tcp shm" BLOCKS="65536 1048576" DURATION=12 COST_ROUNDS=5 scripts/metrics-check.sh
 set -euo pipefail
@@ -15,7 +16,7 @@ PROTOCOLS=${PROTOCOLS:-"tcp shm"}
 BLOCKS=${BLOCKS:-"65536 1048576"}
 DURATION=${DURATION:-12}
 TOLERANCE=${TOLERANCE:-0.05}
-COST_ROUNDS=${COST_ROUNDS:-5}
+COST_ROUNDS=${COST_ROUNDS:-7}
 COST_DURATION=${COST_DURATION:-2}
 command -v curl >/dev/null || { echo "metrics-check: curl is missing (make deps installs it)"; exit 2; }
 
@@ -69,6 +70,6 @@ PY
 done
 if [ "$COST_ROUNDS" -gt 0 ]; then
   "$BENCH" --mode metrics-cost --protocol tcp --op write --block-size 65536 --threads 4 \
-    --duration "$COST_DURATION" --rounds "$COST_ROUNDS" 2>&1 | grep '^RESULT mode=metrics-cost'
+    --duration "$COST_DURATION" --rounds "$COST_ROUNDS" --buffer-size $((64 << 20)) 2>&1 | grep -E '^(round|RESULT mode=metrics-cost)'
 fi
 exit $fail

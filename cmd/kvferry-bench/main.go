@@ -8,7 +8,7 @@
 //	kvferry-bench --mode pingpong --block-size 4096 --duration 6
 //	kvferry-bench --mode samehost --duration 12
 //	kvferry-bench --mode loopback --duration 20 --metrics-addr 127.0.0.1:9400
-//	kvferry-bench --mode metrics-cost --protocol tcp --block-size 65536 --duration 2
+//	kvferry-bench --mode metrics-cost --protocol tcp --block-size 65536 --duration 2 --buffer-size 67108864
 //
 // Modes: target (serve a buffer and wait), initiator (move data to or from a
 // target named by --segment), loopback (both in one process, TCP on
@@ -54,6 +54,10 @@ type config struct {
 	metricsOff                       bool          // --metrics off: no per-task counting
 	rounds                           int           // metrics-cost mode: rounds of each setting
 	progressEvery                    time.Duration // a progress line this often (0: every 5 s from 10 s runs)
+	// ready and gate line up runs that are timed side by side: each calls
+	// ready once set up, then starts its timed loop when gate closes.
+	ready func()
+	gate  <-chan struct{}
 }
 
 func main() {
@@ -328,6 +332,10 @@ func initiate(c config, targetBuf []byte) (gbps float64, err error) {
 		fmt.Printf("kvferry-bench: metrics at http://%s/metrics (engine %s)\n", addr, e.Name())
 	}
 
+	if c.ready != nil {
+		c.ready()
+		<-c.gate
+	}
 	var total atomic.Uint64
 	stop := time.Now().Add(time.Duration(c.duration * float64(time.Second)))
 	results := make([]result, c.threads)

@@ -23,66 +23,113 @@ var (
 	Statuses   = [...]string{"completed", "failed", "canceled", "aborted"}
 )
 
-// Peer holds one peer's counters (or those of every peer under OtherPeer).
-// All fields are updated with atomics: the data path never takes a lock to
-// count.
-type Peer struct {
-	name string
-	// Bytes of completed transfers, by op and transport.
-	bytes [len(Ops)][len(Transports)]atomic.Uint64
-	// Transfers that ended, by op, transport and status.
-	tasks [len(Ops)][len(Transports)][len(Statuses)]atomic.Uint64
+// Shards is how many ways the data path's counters are split: concurrent
+// transfers count into different cache lines, so that counting does not make
+// the cores take turns at one line. A caller picks a shard by anything that
+// differs between concurrent transfers (a record's address).
+const Shards = 8
 
-	// refs counts callers between Acquire and Release; retired is set when
-	// the peer gave its label up. A retired peer's counts are folded into
-	// OtherPeer only once no caller holds it, so none is lost: Acquire
-	// raises refs before it reads retired, retire sets retired before it
-	// reads refs, and Go's atomics are sequentially consistent, so one of
-	// the two sees the other.
-	refs    atomic.Int64
+// peerCell is one shard's counters of one op and transport: all a counted
+// transfer touches is this one cache line.
+type peerCell struct {
+	// refs counts callers between Acquire and Release in this cell.
+	refs  atomic.Int64
+	bytes atomic.Uint64                // bytes of completed transfers
+	tasks [len(Statuses)]atomic.Uint64 // transfers that ended, by status
+	_     [64 - 16 - 8*len(Statuses)]byte
+}
+
+// Peer holds one peer's counters (or those of every peer under OtherPeer).
+// All are updated with atomics: the data path never takes a lock to count.
+type Peer struct {
+	name  string
+	cells [Shards][len(Ops)][len(Transports)]peerCell
+
+	// retired is set when the peer gave its label up. A retired peer's
+	// counts are folded into OtherPeer only once no caller holds it, so
+	// none is lost: Acquire raises a cell's refs before it reads retired,
+	// retire sets retired before it reads every cell's refs, and Go's
+	// atomics are sequentially consistent, so one of the two sees the
+	// other.
 	retired atomic.Bool
 	// last is the activity count at the last rebalance; only Rebalance
 	// reads and writes it, under the table's lock.
 	last uint64
 }
 
+// Slot names the cell a transfer is counted in: its shard (taken modulo
+// Shards), its op and its transport (indexes into Ops and Transports).
+type Slot struct{ Shard, Op, Transport int }
+
+func (p *Peer) cell(s Slot) *peerCell { return &p.cells[s.Shard%Shards][s.Op][s.Transport] }
+
 // Name is the peer's label value.
 func (p *Peer) Name() string { return p.name }
 
-// Count records one transfer that ended: op, transport and status are
-// indexes into Ops, Transports and Statuses; bytes counts only when the
-// transfer completed.
-func (p *Peer) Count(op, transport, status int, bytes uint64) {
-	p.tasks[op][transport][status].Add(1)
+// Count records one transfer that ended with status (an index into
+// Statuses) in slot; bytes counts only when it completed.
+func (p *Peer) Count(s Slot, status int, bytes uint64) {
+	c := p.cell(s)
+	c.tasks[status].Add(1)
 	if status == 0 && bytes > 0 {
-		p.bytes[op][transport].Add(bytes)
+		c.bytes.Add(bytes)
 	}
 }
 
-// Release ends what Acquire began.
-func (p *Peer) Release() { p.refs.Add(-1) }
+// Release ends what Acquire began, with the same slot.
+func (p *Peer) Release(s Slot) { p.cell(s).refs.Add(-1) }
+
+func (p *Peer) held() bool {
+	for sh := range p.cells {
+		for o := range p.cells[sh] {
+			for t := range p.cells[sh][o] {
+				if p.cells[sh][o][t].refs.Load() != 0 {
+					return true
+				}
+			}
+		}
+	}
+	return false
+}
+
+func (p *Peer) bytesOf(o, t int) uint64 {
+	var n uint64
+	for sh := range p.cells {
+		n += p.cells[sh][o][t].bytes.Load()
+	}
+	return n
+}
+
+func (p *Peer) tasksOf(o, t, st int) uint64 {
+	var n uint64
+	for sh := range p.cells {
+		n += p.cells[sh][o][t].tasks[st].Load()
+	}
+	return n
+}
 
 // activity is the number of transfers counted so far: a peer whose
 // activity did not move over an interval was idle.
 func (p *Peer) activity() uint64 {
 	var n uint64
-	for o := range p.tasks {
-		for t := range p.tasks[o] {
-			for s := range p.tasks[o][t] {
-				n += p.tasks[o][t][s].Load()
+	for o := range Ops {
+		for t := range Transports {
+			for s := range Statuses {
+				n += p.tasksOf(o, t, s)
 			}
 		}
 	}
 	return n
 }
 
-// addTo adds the peer's counts to dst's.
+// addTo adds the peer's counts to dst's (into its first shard).
 func (p *Peer) addTo(dst *Peer) {
-	for o := range p.tasks {
-		for t := range p.tasks[o] {
-			dst.bytes[o][t].Add(p.bytes[o][t].Load())
-			for s := range p.tasks[o][t] {
-				dst.tasks[o][t][s].Add(p.tasks[o][t][s].Load())
+	for o := range Ops {
+		for t := range Transports {
+			d := &dst.cells[0][o][t]
+			d.bytes.Add(p.bytesOf(o, t))
+			for s := range Statuses {
+				d.tasks[s].Add(p.tasksOf(o, t, s))
 			}
 		}
 	}
@@ -128,21 +175,21 @@ type Cached struct {
 }
 
 // AcquireCached is Acquire through memo: while no rebalance moved a label
-// since memo was made, it costs two atomics and takes no lock.
-func (t *PeerTable) AcquireCached(name string, memo *atomic.Pointer[Cached]) *Peer {
+// since memo was made, it takes no lock.
+func (t *PeerTable) AcquireCached(name string, slot Slot, memo *atomic.Pointer[Cached]) *Peer {
 	gen := t.gen.Load()
 	if c := memo.Load(); c != nil && c.gen == gen {
 		p := c.p
-		p.refs.Add(1)
+		p.cell(slot).refs.Add(1)
 		if !p.retired.Load() {
 			if p == &t.other {
 				t.noteCandidate(name)
 			}
 			return p
 		}
-		p.refs.Add(-1)
+		p.cell(slot).refs.Add(-1)
 	}
-	p := t.Acquire(name)
+	p := t.Acquire(name, slot)
 	memo.Store(&Cached{p: p, gen: gen})
 	return p
 }
@@ -161,10 +208,10 @@ func NewPeerTable(max int) *PeerTable {
 // Max is the number of peers that may have a label of their own.
 func (t *PeerTable) Max() int { return t.max }
 
-// Acquire returns the counters to count a transfer with peer name in: its
-// own while it has a label (one is given when a slot is free), OtherPeer's
-// otherwise. The caller calls Release on it once it counted.
-func (t *PeerTable) Acquire(name string) *Peer {
+// Acquire returns the counters to count a transfer with peer name in, in
+// slot: its own while it has a label (one is given when one is free),
+// OtherPeer's otherwise. The caller calls Release(slot) once it counted.
+func (t *PeerTable) Acquire(name string, slot Slot) *Peer {
 	t.mu.RLock()
 	p := t.byName[name]
 	full := len(t.byName) >= t.max
@@ -178,14 +225,14 @@ func (t *PeerTable) Acquire(name string) *Peer {
 		t.mu.Unlock()
 	}
 	if p != nil {
-		p.refs.Add(1)
+		p.cell(slot).refs.Add(1)
 		if !p.retired.Load() {
 			return p
 		}
-		p.refs.Add(-1)
+		p.cell(slot).refs.Add(-1)
 	}
 	t.noteCandidate(name)
-	t.other.refs.Add(1)
+	t.other.cell(slot).refs.Add(1)
 	return &t.other
 }
 
@@ -235,7 +282,7 @@ func (t *PeerTable) Rebalance() {
 	}
 	kept := t.retiring[:0]
 	for _, p := range t.retiring {
-		if p.refs.Load() > 0 {
+		if p.held() {
 			kept = append(kept, p)
 			continue
 		}
@@ -294,13 +341,13 @@ func (t *PeerTable) Snapshot() (bytes, tasks []Sample) {
 	sort.Slice(peers, func(i, j int) bool { return peers[i].name < peers[j].name })
 	peers = append(peers, &other)
 	for _, p := range peers {
-		for o := range p.tasks {
-			for tr := range p.tasks[o] {
-				if v := p.bytes[o][tr].Load(); v > 0 {
+		for o := range Ops {
+			for tr := range Transports {
+				if v := p.bytesOf(o, tr); v > 0 {
 					bytes = append(bytes, Sample{p.name, Ops[o], Transports[tr], "", v})
 				}
-				for s := range p.tasks[o][tr] {
-					if v := p.tasks[o][tr][s].Load(); v > 0 {
+				for s := range Statuses {
+					if v := p.tasksOf(o, tr, s); v > 0 {
 						tasks = append(tasks, Sample{p.name, Ops[o], Transports[tr], Statuses[s], v})
 					}
 				}

@@ -7,9 +7,10 @@ import (
 )
 
 func count(t *PeerTable, name string, bytes uint64) {
-	p := t.Acquire(name)
-	p.Count(1, 0, 0, bytes)
-	p.Release()
+	slot := Slot{Op: 1}
+	p := t.Acquire(name, slot)
+	p.Count(slot, 0, bytes)
+	p.Release(slot)
 }
 
 func totals(t *PeerTable) (bytes map[string]uint64, sum uint64) {
@@ -95,10 +96,11 @@ func TestAPeerRetiredWhileACountIsUnderWayLosesNothing(t *testing.T) {
 	tab := NewPeerTable(1)
 	count(tab, "a", 1)
 	tab.Rebalance()
-	held := tab.Acquire("a") // a count under way across the next rebalance
-	tab.Rebalance()          // a idle since the last one: retired, but held
-	held.Count(1, 0, 0, 10)
-	held.Release()
+	slot := Slot{Shard: 3, Op: 1}
+	held := tab.Acquire("a", slot) // a count under way across the next rebalance
+	tab.Rebalance()                // a idle since the last one: retired, but held
+	held.Count(slot, 0, 10)
+	held.Release(slot)
 	tab.Rebalance() // now unheld: folded into other
 	bytes, sum := totals(tab)
 	if sum != 11 || bytes[OtherPeer] != 11 {
@@ -129,7 +131,10 @@ func TestConcurrentCountsAndRebalancesLoseNothing(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for i := range each {
-				count(tab, fmt.Sprintf("peer-%d", (w*each+i)%13), 1)
+				slot := Slot{Shard: w + i, Op: i % 2, Transport: w % 4}
+				p := tab.Acquire(fmt.Sprintf("peer-%d", (w*each+i)%13), slot)
+				p.Count(slot, 0, 1)
+				p.Release(slot)
 			}
 		}()
 	}
