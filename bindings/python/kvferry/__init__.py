@@ -17,7 +17,7 @@ through Engine's keyword arguments instead.
 from ._lib import KvferryError, LibraryNotFound
 from . import engine
 from ._memory import address_of
-from .metrics import PrometheusCollector, register_prometheus
+from .metrics import PrometheusCollector, PrometheusMirror, register_prometheus
 from .engine import (
     AbortedError,
     AbortResult,
@@ -65,5 +65,5 @@ from .engine import (
 __version__ = "0.6.0"
 
 # The public names: engine's, and those defined elsewhere in the package.
-__all__ = ["LibraryNotFound", "PrometheusCollector", "__version__", "address_of", "register_prometheus"]
+__all__ = ["LibraryNotFound", "PrometheusCollector", "PrometheusMirror", "__version__", "address_of", "register_prometheus"]
 __all__ += engine.__all__

@@ -77,3 +77,63 @@ def test_the_mooncake_shim_gives_its_metrics_text() -> None:
         t.close()
     with pytest.raises(RuntimeError):
         t.metrics_text()
+
+
+def test_in_multiprocess_mode_a_worker_mirrors_its_engine_into_the_serving_process(tmp_path) -> None:
+    """SGLang's and vLLM's way: the engine lives in a worker process while
+    another process serves /metrics from prometheus_client's multiprocess
+    files. The worker's register_prometheus mirrors kvferry's series into
+    those files; the serving process's MultiProcessCollector finds them."""
+    prometheus_client = pytest.importorskip("prometheus_client", reason="prometheus_client is not installed (offline?)")
+    from prometheus_client import multiprocess
+    import subprocess
+    import sys
+    import os
+    from pathlib import Path
+    env = dict(os.environ)
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = str(Path(kvferry.__file__).parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    worker = """
+import kvferry
+with kvferry.Engine() as owner, kvferry.Engine() as init:
+    dst = owner.alloc_buffer(1 << 20)
+    src = init.alloc_buffer(1 << 20)
+    seg = init.open_segment(owner.name)
+    m = kvferry.register_prometheus(init, interval=3600)
+    assert isinstance(m, kvferry.PrometheusMirror), m
+    init.write(seg, int(src), int(dst), 1 << 20)
+    init.write(seg, int(src), int(dst), 1 << 20)
+    assert m.sync()
+    init.write(seg, int(src), int(dst), 1 << 20)
+    assert m.sync()  # a second sync adds only the increase
+
+    def segments_open():
+        import os, prometheus_client
+        from prometheus_client import multiprocess
+        r = prometheus_client.CollectorRegistry()
+        multiprocess.MultiProcessCollector(r, path=os.environ["PROMETHEUS_MULTIPROC_DIR"])
+        return r.get_sample_value("kvferry_segments_open", {"engine": init.name})
+
+    assert segments_open() == 1, segments_open()  # a gauge, while this worker lives
+    m.stop()
+    assert segments_open() == 0, segments_open()  # a stopped mirror's gauges read 0
+    print(init.name, owner.name)
+"""
+    p = subprocess.run([sys.executable, "-c", worker], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    init_name, owner_name = p.stdout.split()
+
+    registry = prometheus_client.CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
+    fams = _families(prometheus_client.generate_latest(registry).decode())
+    assert _sample(fams, "kvferry_transfer_bytes", "kvferry_transfer_bytes_total",
+                   engine=init_name, peer=owner_name, op="write") == 3 << 20
+    assert _sample(fams, "kvferry_transfers", "kvferry_transfers_total",
+                   engine=init_name, status="completed") == 3
+    assert _sample(fams, "kvferry_transfer_duration_seconds", "kvferry_transfer_duration_seconds_count",
+                   engine=init_name, op="write", size="le_1MiB") == 3
+    assert _sample(fams, "kvferry_transfer_duration_seconds", "kvferry_transfer_duration_seconds_bucket",
+                   engine=init_name, op="write", size="le_1MiB", le="+Inf") == 3
+    # The mirror was stopped: the engine's gauges read 0, not what it
+    # last held.
+    assert _sample(fams, "kvferry_segments_open", "kvferry_segments_open", engine=init_name) == 0

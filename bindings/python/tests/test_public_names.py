@@ -17,7 +17,7 @@ PUBLIC = {
     "RefusedError", "RemoteRangeError", "Request", "Segment", "StaleKeyError", "Stats", "TaskState",
     "TaskStatus", "TimedOutError", "TransferFailedError", "TruncatedError", "UnauthenticatedError", "UnknownStatusError",
     "UnreachableError", "UnsupportedError", "__version__", "address_of", "error_for", "library_version",
-    "PrometheusCollector", "register_prometheus",
+    "PrometheusCollector", "PrometheusMirror", "register_prometheus",
 }
 
 
