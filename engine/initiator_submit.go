@@ -100,10 +100,14 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	b.mu.Unlock()
 	e.abortMu.RUnlock()
 	e.stats.tasksInFlight.Add(int64(len(tasks)))
+	for _, t := range tasks {
+		// For the error messages and the metrics.
+		t.transport = t.req.Segment.transport.Load()
+	}
 	if e.metrics != nil || e.traceID != 0 {
 		now := monoNow()
 		for _, t := range tasks {
-			t.start, t.transport = now, t.req.Segment.transport.Load()
+			t.start = now
 			if e.traceID != 0 && t.req.RequestID == e.traceID {
 				e.log.Debug("kvferry: trace: transfer submitted", "request", t.req.RequestID, "segment", t.req.Segment.name,
 					"transport", metrics.Transports[t.transport], "op", t.req.Op, "local", fmt.Sprintf("%#x", t.req.Local),

@@ -145,10 +145,10 @@ func (t *task) finish() {
 	t.errMu.Lock()
 	if f := TaskStatus(t.final.Load()); f != 0 {
 		st = f
-		t.err = fmt.Errorf("%s %s of [%#x, +%d) at %s: %w", st, t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, cancelErr(st))
+		t.err = fmt.Errorf("%s %s of [%#x, +%d) at %s over %s: %w", st, t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, t.transportName(), cancelErr(st))
 	} else if t.err != nil && isAbortRefusal(t.err) {
 		st = Aborted
-		t.err = fmt.Errorf("%s of [%#x, +%d) at %s: %w", t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, t.err)
+		t.err = fmt.Errorf("%s of [%#x, +%d) at %s over %s: %w", t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, t.transportName(), t.err)
 	} else if t.err != nil {
 		st = Failed
 		if errors.Is(t.err, ErrRefused) && (errors.Is(t.err, ErrStaleKey) || errors.Is(t.err, ErrFenced)) {
@@ -162,7 +162,7 @@ func (t *task) finish() {
 				t.req.Segment.stale.Store(true)
 			}
 		}
-		t.err = fmt.Errorf("%s of [%#x, +%d) at %s: %w: %w", t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, ErrTransferFailed, t.err)
+		t.err = fmt.Errorf("%s of [%#x, +%d) at %s over %s: %w: %w", t.req.Op, t.req.Remote, t.req.Length, t.req.Segment.name, t.transportName(), ErrTransferFailed, t.err)
 	}
 	t.errMu.Unlock()
 	if st == Aborted {
@@ -207,6 +207,9 @@ func (t *task) finish() {
 		b.mu.Unlock()
 	}
 }
+
+// transportName names the transport the task's segment had at Submit.
+func (t *task) transportName() string { return metrics.Transports[t.transport] }
 
 func cancelErr(st TaskStatus) error {
 	switch st {

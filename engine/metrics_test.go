@@ -452,3 +452,38 @@ func TestMetricsShowWhatIsInFlightWhileItIs(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+func TestMetricsTextWhileTheEngineClosesAndAfter(t *testing.T) {
+	p := newAbortPair(t, engine.Options{MetricsAddr: "127.0.0.1:0"}, 1<<20)
+	transfer(t, p.init, 10*time.Second, write(p.src, p.seg, engine.AddrOf(p.dst), 1<<20))
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if text, err := p.init.MetricsText(); err == nil {
+					parseMetrics(t, text)
+				}
+			}
+		}()
+	}
+	if err := p.init.Close(); err != nil {
+		t.Error(err)
+	}
+	close(stop)
+	wg.Wait()
+	text, err := p.init.MetricsText()
+	if err != nil {
+		t.Fatalf("MetricsText after Close: %v", err)
+	}
+	m := parseMetrics(t, text)
+	m.require(t, 1<<20, "kvferry_transfer_bytes_total", "peer", p.owner.Name(), "op", "write", "transport", "tcp")
+	m.require(t, 0, "kvferry_segments_open")
+}
