@@ -419,6 +419,21 @@ public:
     // This engine's public key (Z85), what peers list in their allowlists;
     // throws Error (KVF_ERR_UNSUPPORTED) when authentication is off.
     std::string public_key() const { return detail::name_of(h_, kvf_engine_public_key); }
+    // The engine's metrics in the Prometheus text format (kvf_metrics_text),
+    // to serve from the host process's own /metrics. The text may grow
+    // between the length query and the copy: it is asked again then.
+    std::string metrics_text() const {
+        for (;;) {
+            size_t n = 0;
+            detail::check(kvf_metrics_text(h_, nullptr, 0, &n));
+            std::string s(n + n / 4 + 4096, '\0');
+            kvf_status st = kvf_metrics_text(h_, &s[0], s.size(), &n);
+            if (st == KVF_ERR_TRUNCATED) continue;
+            detail::check(st);
+            s.resize(n);
+            return s;
+        }
+    }
     // Rereads the allowlist file and cuts the peers it no longer lists.
     void reload_allowlist(int timeout_ms = KVF_TIMEOUT_DEFAULT) {
         detail::check(kvf_engine_reload_allowlist(h_, timeout_ms));

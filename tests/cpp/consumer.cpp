@@ -35,6 +35,10 @@ int main() {
         for (size_t i = 0; i < src.size(); i++) src.bytes()[i] = static_cast<uint8_t>(i * 7 + 3);
 
         kvferry::Segment seg = a.open_segment(b.name(), 5000);
+        {
+            std::string m = a.metrics_text();
+            EXPECT(m.find("kvferry_info{engine=\"" + a.name() + "\"") != std::string::npos);
+        }
         EXPECT(seg.buffer_count() == 1);
         EXPECT(seg.buffer(0).first == dst.addr());
 
