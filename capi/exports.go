@@ -109,6 +109,7 @@ func engineOptions(copts *C.kvf_engine_options) (engine.Options, int, error) {
 	}{
 		{c.advertise_host, &o.AdvertiseHost}, {c.secret_key_file, &o.SecretKeyFile},
 		{c.allowlist_file, &o.AllowlistFile}, {c.cluster_secret_file, &o.ClusterSecretFile},
+		{c.metrics_addr, &o.MetricsAddr},
 	} {
 		if f.src != nil {
 			*f.dst = C.GoString(f.src)
@@ -217,6 +218,13 @@ func kvfgo_metrics_text(h C.uintptr_t, buf *C.char, capacity C.size_t, lenOut *C
 			return result(fn, err)
 		}
 		return copyString(fn, text, buf, capacity, lenOut)
+	})
+}
+
+//export kvfgo_metrics_addr
+func kvfgo_metrics_addr(h C.uintptr_t, buf *C.char, capacity C.size_t, lenOut *C.size_t) C.int {
+	return withHandle("kvf_metrics_addr", h, func(fn string, eh *engineH) C.int {
+		return copyString(fn, eh.e.MetricsAddr(), buf, capacity, lenOut)
 	})
 }
 

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"strings"
 	"sync"
@@ -311,15 +312,20 @@ func TestMetricsOffKeepsTheEngineTotals(t *testing.T) {
 func TestMetricsListenerServesEveryEngineOfTheProcessAndClosesWithTheLast(t *testing.T) {
 	a := newEngineWith(t, engine.Options{MetricsAddr: "127.0.0.1:0"})
 	b := newEngineWith(t, engine.Options{MetricsAddr: "127.0.0.1:0"})
-	if a.MetricsAddr() == "" || a.MetricsAddr() != b.MetricsAddr() {
+	// Asking for the address the listener got shares it too.
+	c := newEngineWith(t, engine.Options{MetricsAddr: a.MetricsAddr()})
+	if a.MetricsAddr() == "" || a.MetricsAddr() != b.MetricsAddr() || c.MetricsAddr() != a.MetricsAddr() {
 		t.Fatalf("metrics addresses %q and %q: want one shared listener", a.MetricsAddr(), b.MetricsAddr())
 	}
 	url := "http://" + a.MetricsAddr() + "/metrics"
 	body := httpGet(t, url)
 	m := parseMetrics(t, body)
 	engines := m.labelValues("kvferry_info", "engine")
-	if !engines[a.Name()] || !engines[b.Name()] || len(engines) != 2 {
-		t.Fatalf("engines served = %v, want %s and %s", engines, a.Name(), b.Name())
+	if !engines[a.Name()] || !engines[b.Name()] || !engines[c.Name()] || len(engines) != 3 {
+		t.Fatalf("engines served = %v, want %s, %s and %s", engines, a.Name(), b.Name(), c.Name())
+	}
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
 	}
 	if err := a.Close(); err != nil {
 		t.Fatal(err)
@@ -338,16 +344,20 @@ func TestMetricsListenerServesEveryEngineOfTheProcessAndClosesWithTheLast(t *tes
 }
 
 func TestMetricsListenerOnAPortInUseLeavesTheEngineRunning(t *testing.T) {
-	a := newEngineWith(t, engine.Options{MetricsAddr: "127.0.0.1:0"})
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
 	var logs bytes.Buffer
 	var mu sync.Mutex
-	b := newEngineWith(t, engine.Options{MetricsAddr: a.MetricsAddr(), Logger: slog.New(slog.NewTextHandler(lockedWriter{&mu, &logs}, nil))})
+	b := newEngineWith(t, engine.Options{MetricsAddr: taken.Addr().String(), Logger: slog.New(slog.NewTextHandler(lockedWriter{&mu, &logs}, nil))})
 	if b.MetricsAddr() != "" {
-		t.Fatalf("second listener on %s: got %q, want none", a.MetricsAddr(), b.MetricsAddr())
+		t.Fatalf("listener on %s, which another socket holds: got %q, want none", taken.Addr(), b.MetricsAddr())
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	if !strings.Contains(logs.String(), "metrics listener not started") || !strings.Contains(logs.String(), a.MetricsAddr()) {
+	if !strings.Contains(logs.String(), "metrics listener not started") || !strings.Contains(logs.String(), taken.Addr().String()) {
 		t.Errorf("no warning naming the address: %s", logs.String())
 	}
 	if _, err := b.MetricsText(); err != nil {

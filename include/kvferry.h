@@ -235,6 +235,17 @@ typedef struct kvf_engine_options {
     const char *cluster_secret_file; /* instead of the two above: a secret
                                         (>= 16 bytes, mode 0600) every engine
                                         of the cluster shares */
+    /* Since 0.6. KVFERRY_METRICS_ADDR overrides. */
+    const char *metrics_addr;        /* serve the engine's metrics at
+                                        http://metrics_addr/metrics (Prometheus
+                                        text format); "host:0" picks a free
+                                        port (kvf_metrics_addr says which).
+                                        Engines of a process asking for one
+                                        address share its listener; one that
+                                        cannot listen (port in use) logs a
+                                        warning and the engine starts anyway.
+                                        NULL: no listener (kvf_metrics_text
+                                        still gives the text) */
 } kvf_engine_options;
 
 /* Sets every field to its default (zero) and struct_size to the size this
@@ -358,6 +369,12 @@ kvf_status kvf_engine_stats(kvf_engine engine, kvf_stats *out);
  * text to its own; KVFERRY_METRICS_ADDR has the library serve it instead.
  * Thread-safe; it reads counters and never blocks on transfers. */
 kvf_status kvf_metrics_text(kvf_engine engine, char *buf, size_t cap, size_t *len_out);
+
+/* Since 0.6. Copies the address the engine's metrics listener serves at
+ * ("127.0.0.1:9400": GET http://<it>/metrics), as kvf_engine_name does; the
+ * empty string when none does (metrics_addr unset, or its listener could not
+ * start). */
+kvf_status kvf_metrics_addr(kvf_engine engine, char *buf, size_t cap, size_t *len_out);
 
 /* ------------------------------------------------------------------------ */
 /* Memory                                                                   */

@@ -84,6 +84,7 @@ struct Options {
     std::string secret_key_file;     // our CURVE secret key (kvferry keygen), mode 0600
     std::string allowlist_file;      // peers' public keys; reread by Engine::reload_allowlist
     std::string cluster_secret_file; // instead of the two above: a secret the cluster shares
+    std::string metrics_addr;        // "" : no metrics listener; "host:port" serves /metrics
 
     // The C struct; its strings point into this object.
     kvf_engine_options c() const {
@@ -106,6 +107,7 @@ struct Options {
         o.secret_key_file = secret_key_file.empty() ? nullptr : secret_key_file.c_str();
         o.allowlist_file = allowlist_file.empty() ? nullptr : allowlist_file.c_str();
         o.cluster_secret_file = cluster_secret_file.empty() ? nullptr : cluster_secret_file.c_str();
+        o.metrics_addr = metrics_addr.empty() ? nullptr : metrics_addr.c_str();
         return o;
     }
 };
@@ -434,6 +436,8 @@ public:
             return s;
         }
     }
+    // Where the metrics listener serves ("" when none does).
+    std::string metrics_addr() const { return detail::name_of(h_, kvf_metrics_addr); }
     // Rereads the allowlist file and cuts the peers it no longer lists.
     void reload_allowlist(int timeout_ms = KVF_TIMEOUT_DEFAULT) {
         detail::check(kvf_engine_reload_allowlist(h_, timeout_ms));

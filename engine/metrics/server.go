@@ -67,13 +67,15 @@ func (c *collectors) remove(m prometheus.Collector) int {
 
 var (
 	listenMu  sync.Mutex
-	listeners = map[string]*listener{} // by the address asked for
+	listeners = map[string]*listener{} // by the address asked for, and by the one bound
 )
 
 // Serve serves c at http://addr/metrics until the returned stop is called,
 // and returns the address it listens on (the port the kernel chose when
-// addr's is 0). Collectors served at one address share its listener; the
-// last stop closes it. stop waits for the listener's goroutine.
+// addr's is 0). Collectors served at one address (the one asked for, or the
+// one a listener bound: "127.0.0.1:0" and then the port it got) share its
+// listener; the last stop closes it. stop waits for the listener's
+// goroutine.
 func Serve(addr string, c prometheus.Collector) (bound string, stop func(), err error) {
 	listenMu.Lock()
 	defer listenMu.Unlock()
@@ -83,6 +85,7 @@ func Serve(addr string, c prometheus.Collector) (bound string, stop func(), err 
 			return "", nil, err
 		}
 		listeners[addr] = l
+		listeners[l.addr] = l
 	}
 	if !l.cols.add(c) {
 		return "", nil, fmt.Errorf("metrics at %s: collector served twice", addr)
@@ -94,8 +97,10 @@ func Serve(addr string, c prometheus.Collector) (bound string, stop func(), err 
 			defer listenMu.Unlock()
 			if l.cols.remove(c) == 0 {
 				l.close()
-				if listeners[addr] == l {
-					delete(listeners, addr)
+				for k, v := range listeners {
+					if v == l {
+						delete(listeners, k)
+					}
 				}
 			}
 		})

@@ -168,6 +168,9 @@ int main(void) {
     snprintf(want, sizeof want, "kvferry_transfers_total{engine=\"%s\",op=\"write\",peer=\"%s\",status=\"completed\",transport=\"", aname, bname);
     CHECK(strstr(mtext, want) != NULL, "no completed writes to B in:\n%s", mtext);
     free(mtext);
+    char maddr[64];
+    CHECK_OK(kvf_metrics_addr(a, maddr, sizeof maddr, NULL));
+    CHECK(maddr[0] == 0, "a metrics listener at %s without metrics_addr", maddr);
 
     /* 7. Two handles of one segment share it; closing one keeps the other. */
     kvf_segment sb2 = NULL;

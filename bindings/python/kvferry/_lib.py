@@ -95,6 +95,7 @@ class EngineOptions(Structure):
         ("secret_key_file", c_char_p),
         ("allowlist_file", c_char_p),
         ("cluster_secret_file", c_char_p),
+        ("metrics_addr", c_char_p),
     ]
 
 
@@ -287,6 +288,7 @@ def _declare(l: ctypes.CDLL) -> None:
         "kvf_engine_reload_allowlist": (st, [vp, c_int]),
         "kvf_engine_stats": (st, [vp, POINTER(Stats)]),
         "kvf_metrics_text": (st, [vp, c_char_p, sz, szp]),
+        "kvf_metrics_addr": (st, [vp, c_char_p, sz, szp]),
         "kvf_register_memory": (st, [vp, vp, sz, c_char_p]),
         "kvf_unregister_memory": (st, [vp, vp]),
         "kvf_register_memory_batch": (st, [vp, POINTER(MemoryRange), sz]),

@@ -735,7 +735,9 @@ class Engine:
     (a secret of at least 16 bytes every engine of the cluster shares). With
     it on, every peer must prove an allowed key on the control plane and on
     tcp data connections, and the engine talks to no peer that does not
-    (:class:`UnauthenticatedError`).
+    (:class:`UnauthenticatedError`). ``metrics_addr`` ("127.0.0.1:9400";
+    port 0 picks one, :attr:`metrics_addr` says which) serves the engine's
+    Prometheus metrics over HTTP at ``/metrics``.
 
     A context manager; :meth:`close` is idempotent, and an engine that is
     garbage collected unclosed is destroyed then. After close, every method
@@ -748,7 +750,7 @@ class Engine:
                  heartbeat_misses: int = 0, log_level: Union[int, str] = 0, go_max_procs: int = 0,
                  ignore_env: bool = False, advertise_host: Optional[str] = None,
                  secret_key_file: Optional[str] = None, allowlist_file: Optional[str] = None,
-                 cluster_secret_file: Optional[str] = None) -> None:
+                 cluster_secret_file: Optional[str] = None, metrics_addr: Optional[str] = None) -> None:
         self._h: Optional[int] = None
         lib = _L()
         o = _lib.EngineOptions()
@@ -762,6 +764,8 @@ class Engine:
             ("advertise_host", advertise_host), ("secret_key_file", secret_key_file),
             ("allowlist_file", allowlist_file), ("cluster_secret_file", cluster_secret_file))]
         o.advertise_host, o.secret_key_file, o.allowlist_file, o.cluster_secret_file = auth_b
+        metrics_b = self._str_opt(metrics_addr, "metrics_addr")
+        o.metrics_addr = metrics_b
         port = _as_int(port, "port")
         if not 0 <= port <= 65535:
             raise ValueError(f"port {port}: must be in [0, 65535]")
@@ -906,6 +910,13 @@ class Engine:
         s.struct_size = ctypes.sizeof(s)
         _check(lib, lib.kvf_engine_stats(self._handle(), byref(s)))
         return Stats(*(getattr(s, f) for f in _STATS_FIELDS))
+
+    @property
+    def metrics_addr(self) -> str:
+        """Where the engine's metrics are served (``http://<it>/metrics``),
+        "" when no listener serves them."""
+        lib = _L()
+        return _read_string(lib, lib.kvf_metrics_addr, self._handle())
 
     def metrics_text(self) -> str:
         """The engine's metrics in the Prometheus text format (version
