@@ -137,3 +137,15 @@ with kvferry.Engine() as owner, kvferry.Engine() as init:
     # The mirror was stopped: the engine's gauges read 0, not what it
     # last held.
     assert _sample(fams, "kvferry_segments_open", "kvferry_segments_open", engine=init_name) == 0
+
+
+def test_an_engine_serves_its_metrics_at_metrics_addr() -> None:
+    import urllib.request
+    with kvferry.Engine(metrics_addr="127.0.0.1:0", ignore_env=True) as e:
+        addr = e.metrics_addr
+        assert addr.startswith("127.0.0.1:") and addr != "127.0.0.1:0"
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert f'kvferry_info{{engine="{e.name}",version="{kvferry.__version__}"}} 1' in text
+    with kvferry.Engine(ignore_env=True) as e:
+        assert e.metrics_addr == ""
