@@ -27,6 +27,9 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 		return 0, nil
 	}
 	e.stats.abortsReceived.Add(1)
+	if e.traceID != 0 && m.RequestID == e.traceID {
+		e.log.Debug("kvferry: trace: ABORT received", "request", m.RequestID, "owner", from, "generation", m.Generation)
+	}
 	// Recorded and matched under the owner's own name: an ABORT arrives on
 	// whichever control connection the owner routes to us, the one we
 	// opened by an alias of it or by its own name, while its request's

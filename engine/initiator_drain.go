@@ -172,7 +172,11 @@ func (e *Engine) drainPaths(k tombKey) bool {
 // so a made-up one must cost no socket, and a real owner resends its ABORT
 // until it hears back.
 func (e *Engine) sendAck(owner string, ack control.AbortAck) {
-	_ = e.plane.SendIfConnected(owner, control.MsgAbortAck, ack.Encode())
+	err := e.plane.SendIfConnected(owner, control.MsgAbortAck, ack.Encode())
+	if e.traceID != 0 && ack.RequestID == e.traceID {
+		e.log.Debug("kvferry: trace: ABORT_ACK sent", "request", ack.RequestID, "owner", owner, "generation", ack.Generation,
+			"outcome", ack.Outcome, "landed", ack.Landed, "err", err)
+	}
 	e.stats.acksSent.Add(1)
 }
 

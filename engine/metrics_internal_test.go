@@ -1,6 +1,9 @@
 package engine
 
 import (
+	"fmt"
+	"strconv"
+	"strings"
 	"testing"
 )
 
@@ -26,4 +29,53 @@ func BenchmarkMetricsPerTask(b *testing.B) {
 			m.taskEnded(t, Completed)
 		}
 	})
+}
+
+// A thousand peers make at most MetricsPeers+1 peer label values in what an
+// engine serves, and every byte is still counted.
+func TestAThousandPeersStayWithinTheLabelBoundInTheEnginesText(t *testing.T) {
+	e, err := New(Options{IgnoreEnv: true, Protocol: "tcp", MetricsPeers: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	const peers = 1000
+	for i := range peers {
+		seg := &Segment{name: fmt.Sprintf("10.1.%d.%d:7000", i/250, i%250)}
+		for j := range 3 {
+			tk := &task{req: Request{Op: Write, Length: uint64(1000 + i), Segment: seg}, start: monoNow()}
+			e.metrics.taskEnded(tk, Completed)
+			if j == 1 {
+				e.metrics.peers.Rebalance() // labels move while it runs
+			}
+		}
+	}
+	text, err := e.MetricsText()
+	if err != nil {
+		t.Fatal(err)
+	}
+	labels := map[string]bool{}
+	var total float64
+	for _, line := range strings.Split(text, "\n") {
+		if !strings.HasPrefix(line, "kvferry_transfer_bytes_total{") {
+			continue
+		}
+		i := strings.Index(line, `peer="`)
+		labels[line[i+6:i+6+strings.Index(line[i+6:], `"`)]] = true
+		v, err := strconv.ParseFloat(line[strings.LastIndex(line, " ")+1:], 64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		total += v
+	}
+	if len(labels) > 17 || !labels["other"] {
+		t.Fatalf("%d peer label values for %d peers (MetricsPeers 16): %v", len(labels), peers, labels)
+	}
+	want := 0.0
+	for i := range peers {
+		want += 3 * float64(1000+i)
+	}
+	if total != want {
+		t.Fatalf("bytes over every label = %v, want %v", total, want)
+	}
 }

@@ -402,10 +402,16 @@ func TestTraceRequestLogsOneRequestOnBothSides(t *testing.T) {
 		transfer(t, p.init, 10*time.Second, req)
 	}
 	p.requireSafeAbort(t, traced)
+	// Safe comes from the owner's own guard; the initiator's drained ACK
+	// follows.
+	waitFor(t, 10*time.Second, "the ABORT_ACK", func() bool {
+		return p.owner.Stats().AbortAcks == 1 && p.init.Stats().AbortAcksSent == 1
+	})
 	mu.Lock()
 	text := logs.String()
 	mu.Unlock()
-	for _, want := range []string{"trace: transfer submitted", "trace: peer access", "trace: transfer ended", "trace: abort answered"} {
+	for _, want := range []string{"trace: transfer submitted", "trace: peer access", "trace: transfer ended",
+		"trace: ABORT received", "trace: ABORT_ACK sent", "trace: ABORT_ACK received", "trace: abort answered"} {
 		line := grepLine(text, want)
 		if line == "" {
 			t.Errorf("no %q line in the log", want)

@@ -388,6 +388,10 @@ func (e *Engine) handleAbortAck(from string, body []byte) (control.MsgType, []by
 	// fence: it holds the tombstone now, so its new QPs carry nothing of
 	// the request.
 	e.ackedFence(from, abortKey{m.RequestID, m.Generation})
+	if e.traceID != 0 && m.RequestID == e.traceID {
+		e.log.Debug("kvferry: trace: ABORT_ACK received", "request", m.RequestID, "initiator", from, "generation", m.Generation,
+			"outcome", m.Outcome, "landed", m.Landed)
+	}
 	e.pendMu.Lock()
 	pa := e.pending[abortKey{m.RequestID, m.Generation}]
 	e.pendMu.Unlock()
