@@ -43,14 +43,14 @@ func metricsOf(t testing.TB, e *engine.Engine) scrape {
 	return parseMetrics(t, text)
 }
 
-// value returns the value of the series name{labels...} (a counter's or
-// gauge's value, a histogram's count), and whether it exists. labels
-// alternate names and values; labels not named are not looked at.
-func (s scrape) value(name string, labels ...string) (float64, bool) {
+// matching returns name's series whose labels include labels (alternate
+// names and values; labels not named are not looked at).
+func (s scrape) matching(name string, labels ...string) []*dto.Metric {
 	mf := s[name]
 	if mf == nil {
-		return 0, false
+		return nil
 	}
+	var out []*dto.Metric
 next:
 	for _, m := range mf.Metric {
 		for i := 0; i+1 < len(labels); i += 2 {
@@ -64,46 +64,39 @@ next:
 				continue next
 			}
 		}
-		switch {
-		case m.Counter != nil:
-			return m.Counter.GetValue(), true
-		case m.Gauge != nil:
-			return m.Gauge.GetValue(), true
-		case m.Histogram != nil:
-			return float64(m.Histogram.GetSampleCount()), true
-		}
+		out = append(out, m)
 	}
-	return 0, false
+	return out
+}
+
+// valueOf is a counter's or gauge's value, or a histogram's count.
+func valueOf(m *dto.Metric) float64 {
+	switch {
+	case m.Counter != nil:
+		return m.Counter.GetValue()
+	case m.Gauge != nil:
+		return m.Gauge.GetValue()
+	case m.Histogram != nil:
+		return float64(m.Histogram.GetSampleCount())
+	}
+	return 0
+}
+
+// value returns the value of the first series name{labels...}, and
+// whether there is one.
+func (s scrape) value(name string, labels ...string) (float64, bool) {
+	ms := s.matching(name, labels...)
+	if len(ms) == 0 {
+		return 0, false
+	}
+	return valueOf(ms[0]), true
 }
 
 // sum adds the values of every series of name matching labels.
 func (s scrape) sum(name string, labels ...string) float64 {
-	mf := s[name]
-	if mf == nil {
-		return 0
-	}
 	var total float64
-next:
-	for _, m := range mf.Metric {
-		for i := 0; i+1 < len(labels); i += 2 {
-			found := false
-			for _, lp := range m.Label {
-				if lp.GetName() == labels[i] && lp.GetValue() == labels[i+1] {
-					found = true
-				}
-			}
-			if !found {
-				continue next
-			}
-		}
-		switch {
-		case m.Counter != nil:
-			total += m.Counter.GetValue()
-		case m.Gauge != nil:
-			total += m.Gauge.GetValue()
-		case m.Histogram != nil:
-			total += float64(m.Histogram.GetSampleCount())
-		}
+	for _, m := range s.matching(name, labels...) {
+		total += valueOf(m)
 	}
 	return total
 }
