@@ -1,0 +1,73 @@
+package engine_test
+
+import (
+	"bytes"
+	"fmt"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/kvferry/kvferry/engine"
+)
+
+// kvferry.h says of kvf_metrics_text: "Every series carries the label
+// engine=..., so the texts of several engines can be served together", and
+// that a host process "appends this text to its own". Each text carries its
+// own # HELP and # TYPE lines, so two engines' texts appended make a family
+// declared twice, which the text format forbids: the Prometheus text parser
+// (and so kvferry top) refuses the whole page.
+func TestMetricsTextsOfTwoEnginesServedTogetherParse(t *testing.T) {
+	a := newEngineWith(t, engine.Options{})
+	b := newEngineWith(t, engine.Options{})
+	ta, err := a.MetricsText()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tb, err := b.MetricsText()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	if _, err := p.TextToMetricFamilies(strings.NewReader(ta + tb)); err != nil {
+		t.Fatalf("two engines' metrics texts served together do not parse: %v", err)
+	}
+}
+
+// Options.TraceRequest: "logged at debug level, on both sides: submitted,
+// each peer access admitted or refused, ended (status, time, cause),
+// aborted, ACKed". The initiator's side of an abort (the owner's ABORT
+// received, the tasks drained, the ACK sent) is not traced: the
+// initiator's log says nothing of the traced request once it ended.
+func TestTraceRequestLogsTheAbortOnTheInitiatorSide(t *testing.T) {
+	const traced = 4242
+	var mu sync.Mutex
+	var initLogs bytes.Buffer
+	initLogger := slog.New(slog.NewTextHandler(lockedWriter{&mu, &initLogs}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	owner := newEngineWith(t, engine.Options{TraceRequest: traced})
+	init := newEngineWith(t, engine.Options{TraceRequest: traced, Logger: initLogger})
+	dst := alloc(t, owner, 1<<20)
+	src := alloc(t, init, 1<<20)
+	seg := openSegment(t, init, owner.Name())
+	req := write(src, seg, engine.AddrOf(dst), 1<<20)
+	req.RequestID = traced
+	transfer(t, init, 10*time.Second, req)
+	res, err := owner.Abort(testCtx(t, 5*time.Second), traced, []string{init.Name()})
+	if err != nil || !res.Safe {
+		t.Fatalf("abort = %+v, %v; want safe", res, err)
+	}
+	waitFor(t, 10*time.Second, "the initiator's ABORT_ACK", func() bool { return init.Stats().AbortAcksSent > 0 })
+	mu.Lock()
+	text := initLogs.String()
+	mu.Unlock()
+	for _, l := range strings.Split(text, "\n") {
+		if strings.Contains(l, "trace:") && strings.Contains(strings.ToLower(l), "abort") && strings.Contains(l, fmt.Sprintf("request=%d", traced)) {
+			return
+		}
+	}
+	t.Errorf("the initiator's log has no trace line of the traced request's abort:\n%s", text)
+}
