@@ -347,9 +347,9 @@ func (s *Segment) path(ctx context.Context, hint uint32) (*pathRef, error) {
 		addr := s.addr
 		redial := s.paths[i] != nil
 		s.mu.Unlock()
-		ref, err := s.dial(ctx, addr)
+		ref, used, err := s.dial(ctx, addr)
 		if m := s.e.metrics; m != nil {
-			tr := s.transport.Load()
+			tr := transportIndex(used)
 			if err != nil {
 				m.dials[tr][1].Add(1)
 			} else {
@@ -377,43 +377,41 @@ func (s *Segment) path(ctx context.Context, hint uint32) (*pathRef, error) {
 
 // dial opens one path, outside the lock: a slow peer must not hold up the
 // other slots.
-func (s *Segment) dial(ctx context.Context, addr string) (*pathRef, error) {
+func (s *Segment) dial(ctx context.Context, addr string) (ref *pathRef, used string, err error) {
 	var p transport.Endpoint
-	var err error
 	s.mu.Lock()
 	proto, shmAddr := s.proto, s.shmAddr
 	s.mu.Unlock()
+	// used and at say which transport and address the dial that counts
+	// went to: what an operator needs to tell a dead peer from a
+	// firewall, and what the metrics count the dial under.
+	used, at := proto, addr
 	switch {
 	case s.self:
+		used, at = "local", "in-process"
 		p, err = s.e.local.Dial(ctx, "", s.e.Name())
 	case proto == "rdma":
+		at = s.name // the rdma handshake goes over the peer's control plane
 		p, err = s.e.rdma.Dial(ctx, s.name, s.e.Name())
 	case proto == "shm":
 		// Slices in memory the owner cannot reach (neither shared nor
 		// open to cross-memory attach) take a tcp path of their own.
+		at = shmAddr
 		p, err = s.e.shm.DialVia(ctx, shmAddr, s.e.Name(), func(ctx context.Context) (transport.Endpoint, error) {
 			return s.e.tcp.Dial(ctx, addr, s.e.Name())
 		})
 		if err != nil && s.e.opts.Protocol == "auto" {
-			s.e.peerWarn("shm-dial", s.name, "kvferry: shm path failed; using tcp", "segment", s.name, "err", err)
+			s.e.peerWarn("shm-dial", s.name, "kvferry: shm path failed; using tcp", "segment", s.name, "shm_addr", shmAddr, "err", err)
+			used, at = "tcp", addr
 			p, err = s.e.tcp.Dial(ctx, addr, s.e.Name())
 		}
 	default:
 		p, err = s.e.tcp.Dial(ctx, addr, s.e.Name())
 	}
 	if err != nil {
-		// The peer, the transport, the address and the cause: what an
-		// operator needs to tell a dead peer from a firewall.
-		if s.self {
-			proto, addr = "local", "in-process"
-		} else if proto == "shm" {
-			addr = shmAddr
-		} else if proto == "rdma" {
-			addr = s.name + " (rdma connection manager over its control plane)"
-		}
-		return nil, fmt.Errorf("segment %s: dial %s path to %s: %w", s.name, proto, addr, err)
+		return nil, used, fmt.Errorf("segment %s: dial %s path to %s: %w", s.name, used, at, err)
 	}
-	return &pathRef{ep: p}, nil
+	return &pathRef{ep: p}, used, nil
 }
 
 // heartbeat records one ping's outcome. A segment missing HeartbeatMisses in a

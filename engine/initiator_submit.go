@@ -46,6 +46,15 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	if err != nil {
 		return err // the slab is left to the GC: plan may have failed mid-way
 	}
+	// Before the tasks are listed anywhere a cancel, an ABORT or Close
+	// can end them: finish reads both.
+	start := int64(0)
+	if e.metrics != nil || e.traceID != 0 {
+		start = monoNow()
+	}
+	for _, t := range tasks {
+		t.transport, t.start = t.req.Segment.transport.Load(), start
+	}
 	// Between the tombstone check and listing the tasks in the batch and
 	// the task index an ABORT's handler must not run: it would miss them
 	// (see handleAbort).
@@ -100,15 +109,9 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 	b.mu.Unlock()
 	e.abortMu.RUnlock()
 	e.stats.tasksInFlight.Add(int64(len(tasks)))
-	for _, t := range tasks {
-		// For the error messages and the metrics.
-		t.transport = t.req.Segment.transport.Load()
-	}
-	if e.metrics != nil || e.traceID != 0 {
-		now := monoNow()
+	if e.traceID != 0 {
 		for _, t := range tasks {
-			t.start = now
-			if e.traceID != 0 && t.req.RequestID == e.traceID {
+			if t.req.RequestID == e.traceID {
 				e.log.Debug("kvferry: trace: transfer submitted", "request", t.req.RequestID, "segment", t.req.Segment.name,
 					"transport", metrics.Transports[t.transport], "op", t.req.Op, "local", fmt.Sprintf("%#x", t.req.Local),
 					"remote", fmt.Sprintf("%#x", t.req.Remote), "bytes", t.req.Length, "slices", len(t.slices), "fence_epoch", t.epoch)

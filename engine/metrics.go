@@ -245,8 +245,10 @@ func (c engineCollector) Collect(ch chan<- prometheus.Metric) {
 
 	// Transfers we initiated.
 	if m := e.metrics; m != nil {
-		if now := time.Now().UnixNano(); now-m.rebalanced.Load() >= int64(peerRebalanceInterval) {
-			m.rebalanced.Store(now)
+		// One scrape of several at once rebalances: a second rebalance
+		// right after the first would find every peer idle since.
+		now := time.Now().UnixNano()
+		if last := m.rebalanced.Load(); now-last >= int64(peerRebalanceInterval) && m.rebalanced.CompareAndSwap(last, now) {
 			m.peers.Rebalance()
 		}
 		byts, tasks := m.peers.Snapshot()

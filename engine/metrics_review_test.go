@@ -9,32 +9,41 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
 	"github.com/kvferry/kvferry/engine"
 )
 
-// kvferry.h says of kvf_metrics_text: "Every series carries the label
-// engine=..., so the texts of several engines can be served together", and
-// that a host process "appends this text to its own". Each text carries its
-// own # HELP and # TYPE lines, so two engines' texts appended make a family
-// declared twice, which the text format forbids: the Prometheus text parser
-// (and so kvferry top) refuses the whole page.
-func TestMetricsTextsOfTwoEnginesServedTogetherParse(t *testing.T) {
+// Each engine's text is one complete exposition (it declares its
+// families), so two cannot simply be appended; the header says so and
+// names the ways to serve several engines on one page. Through one
+// registry, as a Go host does, both are served and the page parses.
+func TestTwoEnginesServedTogetherThroughOneRegistryParse(t *testing.T) {
 	a := newEngineWith(t, engine.Options{})
 	b := newEngineWith(t, engine.Options{})
-	ta, err := a.MetricsText()
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(a.Collector(), b.Collector())
+	mfs, err := reg.Gather()
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("gather two engines: %v", err)
 	}
-	tb, err := b.MetricsText()
-	if err != nil {
-		t.Fatal(err)
+	var buf bytes.Buffer
+	enc := expfmt.NewEncoder(&buf, expfmt.NewFormat(expfmt.TypeTextPlain))
+	for _, mf := range mfs {
+		if err := enc.Encode(mf); err != nil {
+			t.Fatal(err)
+		}
 	}
 	p := expfmt.NewTextParser(model.UTF8Validation)
-	if _, err := p.TextToMetricFamilies(strings.NewReader(ta + tb)); err != nil {
-		t.Fatalf("two engines' metrics texts served together do not parse: %v", err)
+	fams, err := p.TextToMetricFamilies(strings.NewReader(buf.String()))
+	if err != nil {
+		t.Fatalf("two engines served through one registry do not parse: %v", err)
+	}
+	engines := scrape(fams).labelValues("kvferry_info", "engine")
+	if !engines[a.Name()] || !engines[b.Name()] {
+		t.Fatalf("engines on the page: %v, want %s and %s", engines, a.Name(), b.Name())
 	}
 }
 

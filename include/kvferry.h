@@ -364,9 +364,13 @@ kvf_status kvf_engine_stats(kvf_engine engine, kvf_stats *out);
  * afresh at each call and may have grown since a length query: on
  * KVF_ERR_TRUNCATED call again with a larger buffer (some headroom, say a
  * quarter more, saves a third call). Every series carries the label
- * engine="<segment name>", so the texts of several engines can be served
- * together. A host process that serves /metrics (SGLang, vLLM) appends this
- * text to its own; KVFERRY_METRICS_ADDR has the library serve it instead.
+ * engine="<segment name>". Each text is one complete exposition, declaring
+ * its families (# HELP, # TYPE): two engines' texts cannot simply be
+ * appended. To serve several engines on one page, give them one
+ * metrics_addr (they share its listener), or merge the parsed families
+ * (Python: kvferry.register_prometheus per engine). A host process that
+ * serves /metrics (SGLang, vLLM) adds this text's families to its own;
+ * metrics_addr or KVFERRY_METRICS_ADDR has the library serve it instead.
  * Thread-safe; it reads counters and never blocks on transfers. */
 kvf_status kvf_metrics_text(kvf_engine engine, char *buf, size_t cap, size_t *len_out);
 

@@ -82,6 +82,18 @@ func runTop(w io.Writer, args []string) error {
 	}
 }
 
+// clean makes what an endpoint sent safe to print: control characters
+// (an ESC sequence could retitle, clear or rewrite the operator's terminal)
+// become '?'.
+func clean(s string) string {
+	return strings.Map(func(r rune) rune {
+		if r < 0x20 || r == 0x7f || (r >= 0x80 && r < 0xa0) {
+			return '?'
+		}
+		return r
+	}, s)
+}
+
 func endpointURL(a string) string {
 	if strings.Contains(a, "://") {
 		return a
@@ -153,7 +165,7 @@ func (s *sample) series(name string) []series {
 	for _, m := range mf.Metric {
 		x := series{labels: map[string]string{}}
 		for _, lp := range m.Label {
-			x.labels[lp.GetName()] = lp.GetValue()
+			x.labels[lp.GetName()] = clean(lp.GetValue())
 		}
 		switch {
 		case m.Counter != nil:
@@ -258,6 +270,11 @@ func quantile(q float64, bounds, cum []float64, total float64) float64 {
 	rank := q * total
 	lower, below := 0.0, 0.0
 	for i, b := range bounds {
+		if math.IsInf(b, 1) {
+			// Past the last finite bound nothing says how far: PromQL
+			// answers that bound, and so does top.
+			return lower
+		}
 		if cum[i] >= rank {
 			in := cum[i] - below
 			if in <= 0 {
@@ -296,12 +313,12 @@ func fmtDur(sec float64) string {
 
 func renderEndpoint(b *strings.Builder, url string, prev, cur *sample) {
 	if cur.err != nil {
-		fmt.Fprintf(b, "\n%s: %v\n", url, cur.err)
+		fmt.Fprintf(b, "\n%s: %s\n", clean(url), clean(cur.err.Error()))
 		return
 	}
 	engines := cur.engines()
 	if len(engines) == 0 {
-		fmt.Fprintf(b, "\n%s: no kvferry series\n", url)
+		fmt.Fprintf(b, "\n%s: no kvferry series\n", clean(url))
 		return
 	}
 	secs := 0.0
@@ -326,7 +343,7 @@ func renderEndpoint(b *strings.Builder, url string, prev, cur *sample) {
 				ps = append(ps, fmt.Sprintf("%s %.0f", tr, paths[tr]))
 			}
 		}
-		fmt.Fprintf(b, "\nengine %s  (%s, kvferry %s)\n", eng, url, version)
+		fmt.Fprintf(b, "\nengine %s  (%s, kvferry %s)\n", eng, clean(url), version)
 		fmt.Fprintf(b, "  in flight: %.0f transfers, %s   segments %.0f (dead %.0f)   paths: %s\n",
 			one("kvferry_tasks_in_flight"), fmtBytes(one("kvferry_bytes_in_flight")), one("kvferry_segments_open"),
 			one("kvferry_peers_dead"), orDash(strings.Join(ps, ", ")))

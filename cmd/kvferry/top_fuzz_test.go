@@ -38,5 +38,10 @@ kvferry_transfer_duration_seconds_count{engine="e",op="write",size="le_64KiB"} N
 		renderEndpoint(&out, "http://x/metrics", nil, prev)
 		renderEndpoint(&out, "http://x/metrics", prev, cur)
 		renderEndpoint(&out, "http://x/metrics", cur, cur) // zero interval
+		for i, r := range out.String() {
+			if r < 0x20 && r != '\n' || r == 0x7f || r >= 0x80 && r < 0xa0 {
+				t.Fatalf("control character %#x at %d of top's output", r, i)
+			}
+		}
 	})
 }

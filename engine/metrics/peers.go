@@ -122,19 +122,6 @@ func (p *Peer) activity() uint64 {
 	return n
 }
 
-// addTo adds the peer's counts to dst's (into its first shard).
-func (p *Peer) addTo(dst *Peer) {
-	for o := range Ops {
-		for t := range Transports {
-			d := &dst.cells[0][o][t]
-			d.bytes.Add(p.bytesOf(o, t))
-			for s := range Statuses {
-				d.tasks[s].Add(p.tasksOf(o, t, s))
-			}
-		}
-	}
-}
-
 // Sample is one series of a peer's counters, as Snapshot reports it.
 type Sample struct {
 	Peer, Op, Transport, Status string // Status is "" for bytes
@@ -143,17 +130,21 @@ type Sample struct {
 
 // PeerTable gives at most Max peers a label of their own; the others count
 // under OtherPeer. A peer keeps its label while it moves data; one that
-// moved nothing over a whole rebalance interval gives it up (its counts
-// join OtherPeer's, so every series stays monotonic) and the busiest peers
-// counted under OtherPeer since the last rebalance take the free labels.
-// Memory is bounded too: at most Max labeled peers, the ones giving their
-// label up, and 4*Max candidates.
+// moved nothing over a whole rebalance interval gives it up, and the
+// busiest peers counted under OtherPeer since the last rebalance take the
+// free labels. A peer that gives its label up has its series end, as a
+// series of a peer that left does: its counts are not added to OtherPeer's,
+// which would make OtherPeer's rate show a burst of bytes that moved long
+// before (and were counted once already). A label given anew starts from 0,
+// which Prometheus reads as a counter reset. Memory is bounded too: at most
+// Max labeled peers, the ones giving their label up while a count is under
+// way, and 4*Max candidates.
 type PeerTable struct {
 	max int
 
 	mu       sync.RWMutex
 	byName   map[string]*Peer
-	retiring []*Peer // gave their label up; folded into other once unheld
+	retiring map[string]*Peer // gave their label up while a count was under way: still shown, until unheld
 	other    Peer
 
 	// candidates counts, since the last rebalance, the transfers of peers
@@ -202,7 +193,7 @@ func NewPeerTable(max int) *PeerTable {
 	if max < 1 {
 		max = 1
 	}
-	return &PeerTable{max: max, byName: map[string]*Peer{}, other: Peer{name: OtherPeer}, candidates: map[string]uint64{}}
+	return &PeerTable{max: max, byName: map[string]*Peer{}, retiring: map[string]*Peer{}, other: Peer{name: OtherPeer}, candidates: map[string]uint64{}}
 }
 
 // Max is the number of peers that may have a label of their own.
@@ -218,7 +209,7 @@ func (t *PeerTable) Acquire(name string, slot Slot) *Peer {
 	t.mu.RUnlock()
 	if p == nil && !full {
 		t.mu.Lock()
-		if p = t.byName[name]; p == nil && len(t.byName) < t.max {
+		if p = t.byName[name]; p == nil && len(t.byName) < t.max && t.retiring[name] == nil {
 			p = &Peer{name: name}
 			t.byName[name] = p
 		}
@@ -261,9 +252,10 @@ func (t *PeerTable) dropQuietCandidatesLocked() {
 }
 
 // Rebalance takes labels from peers idle since the last call and gives free
-// labels to the busiest candidates; peers that gave a label up are folded
-// into OtherPeer once no caller holds them. The engine calls it at most
-// once per interval, from a scrape.
+// labels to the busiest candidates. A peer that gave its label up is shown
+// until no caller holds it (a count that raced its retirement is not hidden),
+// then dropped. The engine calls it at most once per interval, from a
+// scrape.
 func (t *PeerTable) Rebalance() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -275,21 +267,16 @@ func (t *PeerTable) Rebalance() {
 		if a == p.last {
 			p.retired.Store(true)
 			delete(t.byName, name)
-			t.retiring = append(t.retiring, p)
+			t.retiring[name] = p
 			continue
 		}
 		p.last = a
 	}
-	kept := t.retiring[:0]
-	for _, p := range t.retiring {
-		if p.held() {
-			kept = append(kept, p)
-			continue
+	for name, p := range t.retiring {
+		if !p.held() {
+			delete(t.retiring, name)
 		}
-		p.addTo(&t.other)
 	}
-	clear(t.retiring[len(kept):])
-	t.retiring = kept
 
 	t.candMu.Lock()
 	type cand struct {
@@ -307,7 +294,9 @@ func (t *PeerTable) Rebalance() {
 		if len(t.byName) >= t.max {
 			break
 		}
-		if _, ok := t.byName[c.name]; !ok {
+		// A peer still shown under its old label waits: two series with
+		// one label set would make the scrape fail.
+		if _, ok := t.byName[c.name]; !ok && t.retiring[c.name] == nil {
 			// Its activity starts at zero: a label given now counts
 			// from now; what came before stays in OtherPeer.
 			t.byName[c.name] = &Peer{name: c.name, last: 0}
@@ -322,24 +311,21 @@ func (t *PeerTable) Labeled() int {
 	return len(t.byName)
 }
 
-// Snapshot returns every nonzero series: one per labeled peer, op,
-// transport (and status, for transfer counts), and OtherPeer's, which
-// includes the peers still giving their label up.
+// Snapshot returns every nonzero series: one per labeled peer (and peer
+// still giving its label up), op, transport (and status, for transfer
+// counts), and OtherPeer's.
 func (t *PeerTable) Snapshot() (bytes, tasks []Sample) {
 	t.mu.RLock()
-	peers := make([]*Peer, 0, len(t.byName))
+	peers := make([]*Peer, 0, len(t.byName)+len(t.retiring))
 	for _, p := range t.byName {
 		peers = append(peers, p)
 	}
-	var other Peer
-	t.other.addTo(&other)
 	for _, p := range t.retiring {
-		p.addTo(&other)
+		peers = append(peers, p)
 	}
 	t.mu.RUnlock()
-	other.name = OtherPeer
 	sort.Slice(peers, func(i, j int) bool { return peers[i].name < peers[j].name })
-	peers = append(peers, &other)
+	peers = append(peers, &t.other)
 	for _, p := range peers {
 		for o := range Ops {
 			for tr := range Transports {

@@ -81,14 +81,25 @@ _mirrored_lock = threading.Lock()
 class PrometheusMirror:
     """Copies one engine's metrics into ``prometheus_client``'s multiprocess
     files, every ``interval`` seconds on a daemon thread, until the engine is
-    closed or :meth:`stop` is called. :meth:`sync` copies once, now."""
+    closed or :meth:`stop` is called. :meth:`sync` copies once, now.
 
-    def __init__(self, source: Any, interval: float = 5.0) -> None:
+    A series in those files cannot be taken out again, while the engine's
+    per-peer series come and go (a peer idle for 30 s gives its label up to
+    a busier one). So the mirror keeps at most ``max_peers`` peer label
+    values per engine: the series of a peer that left stays at its last
+    value, and peers past the bound are counted under ``peer="other"``.
+    Totals stay right: each engine series adds only its own increase."""
+
+    def __init__(self, source: Any, interval: float = 5.0, *, max_peers: int = 64) -> None:
         _check_source(source)
         if not interval > 0:
             raise ValueError(f"interval {interval!r}: want a positive number of seconds")
+        if max_peers < 1:
+            raise ValueError(f"max_peers {max_peers!r}: want at least 1")
         self._source = source
         self._interval = float(interval)
+        self._max_peers = int(max_peers)
+        self._peers: Dict[Tuple, set] = {}  # peer label values mirrored, by family and engine
         self._last: Dict[Tuple, float] = {}  # counters' and histograms' values at the last sync
         self._gauges: Dict[Tuple, Any] = {}  # gauge children set, zeroed at stop
         self._lock = threading.Lock()
@@ -134,6 +145,7 @@ class PrometheusMirror:
         except Exception:
             return False
         with self._lock:
+            self._seen: set = set()
             for fam in text_string_to_metric_families(text):
                 try:
                     if fam.type == "counter":
@@ -144,7 +156,24 @@ class PrometheusMirror:
                         self._histogram(fam)
                 except ValueError as e:  # a label set the family's first did not have
                     self._warn_once(fam.name, f"{fam.name}: {e}")
+            # Series the engine no longer shows: forgotten, so that memory
+            # stays bounded; one that comes back starts from its new value.
+            for k in [k for k in self._last if k not in self._seen]:
+                del self._last[k]
         return True
+
+    def _bounded(self, family: str, labels: Dict[str, str]) -> Dict[str, str]:
+        """labels, with a peer past max_peers of its engine counted as other."""
+        peer = labels.get("peer")
+        if peer is None or peer == "other":
+            return labels
+        seen = self._peers.setdefault((family, labels.get("engine")), set())
+        if peer in seen:
+            return labels
+        if len(seen) < self._max_peers:
+            seen.add(peer)
+            return labels
+        return {**labels, "peer": "other"}
 
     def _metric(self, cls: Any, fam: Any, labelnames: Tuple[str, ...], **kw: Any) -> Any:
         with _mirrored_lock:
@@ -168,11 +197,12 @@ class PrometheusMirror:
             names = tuple(sorted(s.labels))
             m = self._metric(Counter, fam, names)
             key = (s.name, tuple(sorted(s.labels.items())))
+            self._seen.add(key)
             d = s.value - self._last.get(key, 0.0)
             if d < 0:  # the engine's counter started again
                 d = s.value
             if d > 0:
-                m.labels(**s.labels).inc(d)
+                m.labels(**self._bounded(fam.name, s.labels)).inc(d)
             self._last[key] = s.value
 
     def _gauge(self, fam: Any) -> None:
@@ -210,19 +240,22 @@ class PrometheusMirror:
             prev_cum = 0.0
             for i, (le, cum) in enumerate(bounds):
                 k = (fam.name, key, le)
+                self._seen.add(k)
                 d = (cum - prev_cum) - self._last.get(k, 0.0)
                 self._last[k] = cum - prev_cum
                 prev_cum = cum
                 if d > 0:
                     cells[i].inc(d)
             k = (fam.name, key, "sum")
+            self._seen.add(k)
             d = h["sum"] - self._last.get(k, 0.0)
             self._last[k] = h["sum"]
             if d > 0:
                 total.inc(d)
 
 
-def register_prometheus(source: Any, registry: Optional[Any] = None, *, interval: float = 5.0) -> Any:
+def register_prometheus(source: Any, registry: Optional[Any] = None, *, interval: float = 5.0,
+                        max_peers: int = 64) -> Any:
     """Adds ``source``'s metrics to what the host process serves at
     ``/metrics``. In ``prometheus_client``'s multiprocess mode (with no
     ``registry`` given) it starts and returns a :class:`PrometheusMirror`;
@@ -230,7 +263,7 @@ def register_prometheus(source: Any, registry: Optional[Any] = None, *, interval
     (``prometheus_client.REGISTRY`` when None) and returns it, for
     ``registry.unregister(collector)`` when the engine is closed."""
     if registry is None and _multiprocess_mode():
-        return PrometheusMirror(source, interval).start()
+        return PrometheusMirror(source, interval, max_peers=max_peers).start()
     if registry is None:
         from prometheus_client import REGISTRY as registry  # noqa: N811
     collector = PrometheusCollector(source)
