@@ -74,14 +74,15 @@ func (s *Segment) learnFenceEpoch(body []byte) {
 
 // fenceResync asks the owner its fence epoch when a transfer of ours was
 // refused as fenced: we missed its notice, or hold an epoch it never issued
-// (an earlier incarnation's, or a forged notice's). Its answer is fresh, so
-// an epoch below ours means ours is not its own: what we know starts
-// afresh from its answer. Bounded by ctx and 2 s; on failure the next
-// refusal asks again.
+// (an earlier incarnation's, or a forged notice's). An answer below what we
+// knew when we asked means ours is not its own: what we know starts afresh
+// from its answer (see resyncTo). Bounded by ctx and 2 s; on failure the
+// next refusal asks again.
 func (s *Segment) fenceResync(ctx context.Context) {
 	if !s.fencedStale.Swap(false) {
 		return
 	}
+	before := s.fences.Epoch()
 	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	typ, body, err := s.e.plane.Request(pctx, s.name, control.MsgPing, nil)
@@ -89,10 +90,23 @@ func (s *Segment) fenceResync(ctx context.Context) {
 		s.fencedStale.Store(true)
 		return
 	}
-	if ep := binary.LittleEndian.Uint64(body); ep < s.fences.Epoch() {
+	s.resyncTo(before, binary.LittleEndian.Uint64(body))
+}
+
+// resyncTo takes the owner's answer ep to a question asked when we knew
+// epoch before. The owner's epoch only grows within an incarnation, and
+// everything we knew before asking it had published before answering, so
+// only an answer below before says it is not the epoch we hold (a restart,
+// or a forged notice): then what we know starts afresh. An answer between
+// before and what we know now was overtaken by a FENCE notice the owner
+// sent after answering; forgetting that notice would stamp the next
+// transfers below a fence they were planned after, and the owner would
+// refuse them.
+func (s *Segment) resyncTo(before, ep uint64) {
+	if ep < before {
 		s.fences.Reset()
 	}
-	s.learnFenceEpoch(body)
+	s.fences.Learn(ep)
 }
 
 // handleFence takes an owner's FENCE (on the plane's loop, so it must not
