@@ -74,39 +74,53 @@ func (s *Segment) learnFenceEpoch(body []byte) {
 
 // fenceResync asks the owner its fence epoch when a transfer of ours was
 // refused as fenced: we missed its notice, or hold an epoch it never issued
-// (an earlier incarnation's, or a forged notice's). An answer below what we
-// knew when we asked means ours is not its own: what we know starts afresh
-// from its answer (see resyncTo). Bounded by ctx and 2 s; on failure the
-// next refusal asks again.
+// (an earlier incarnation's, or a forged notice's). Bounded by ctx and 2 s
+// per question; on failure the next refusal asks again.
 func (s *Segment) fenceResync(ctx context.Context) {
 	if !s.fencedStale.Swap(false) {
 		return
 	}
-	before := s.fences.Epoch()
 	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
-	typ, body, err := s.e.plane.Request(pctx, s.name, control.MsgPing, nil)
-	if err != nil || typ != control.MsgPong || len(body) != 8 {
-		s.fencedStale.Store(true)
-		return
-	}
-	s.resyncTo(before, binary.LittleEndian.Uint64(body))
+	s.resync(func() (uint64, bool) {
+		typ, body, err := s.e.plane.Request(pctx, s.name, control.MsgPing, nil)
+		if err != nil || typ != control.MsgPong || len(body) != 8 {
+			return 0, false
+		}
+		return binary.LittleEndian.Uint64(body), true
+	})
 }
 
-// resyncTo takes the owner's answer ep to a question asked when we knew
-// epoch before. The owner's epoch only grows within an incarnation, and
-// everything we knew before asking it had published before answering, so
-// only an answer below before says it is not the epoch we hold (a restart,
-// or a forged notice): then what we know starts afresh. An answer between
-// before and what we know now was overtaken by a FENCE notice the owner
-// sent after answering; forgetting that notice would stamp the next
-// transfers below a fence they were planned after, and the owner would
-// refuse them.
-func (s *Segment) resyncTo(before, ep uint64) {
-	if ep < before {
-		s.fences.Reset()
+// resyncAsks bounds the questions of one resync.
+const resyncAsks = 3
+
+// resync settles what we know of the owner's epoch with its answers (ask).
+// An answer below what we know means ours is not its own (a restart, or an
+// epoch from a forged or stale notice): what we know starts afresh from the
+// answer. But an honest answer can be overtaken by a FENCE notice the owner
+// sent just after it, and forgetting that notice would stamp the next
+// transfers below a fence they were planned after (the owner would refuse
+// them). So a low answer is asked again first: the owner answers the next
+// question after it sent every notice we hold of it, so an honest second
+// answer is at least what we know; one still below it is taken for what it
+// says. The last answer decides, by the same rule as a single one would: a
+// retry never keeps an epoch the owner's answer does not cover.
+func (s *Segment) resync(ask func() (uint64, bool)) {
+	for i := 1; ; i++ {
+		ep, ok := ask()
+		if !ok {
+			s.fencedStale.Store(true)
+			return
+		}
+		if ep < s.fences.Epoch() && i < resyncAsks {
+			continue
+		}
+		if ep < s.fences.Epoch() {
+			s.fences.Reset()
+		}
+		s.fences.Learn(ep)
+		return
 	}
-	s.fences.Learn(ep)
 }
 
 // handleFence takes an owner's FENCE (on the plane's loop, so it must not
