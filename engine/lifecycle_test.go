@@ -57,9 +57,11 @@ func TestFailedOpensLeaveNoSockets(t *testing.T) {
 			t.Fatal("opened a segment nobody serves")
 		}
 	}
-	waitUntil(2*time.Second, func() bool { return fds() <= before+2 })
-	if got := fds(); got > before+2 {
-		t.Fatalf("%d file descriptors after 30 failed opens, %d before", got, before)
+	// The count is the process's: judged once, by the wait (a second
+	// reading can catch a socket of the runtime's or another engine's
+	// passing through).
+	if !waitUntil(2*time.Second, func() bool { return fds() <= before+2 }) {
+		t.Fatalf("%d file descriptors after 30 failed opens, %d before", fds(), before)
 	}
 }
 

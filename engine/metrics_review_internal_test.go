@@ -37,7 +37,7 @@ func TestConcurrentScrapesRebalanceThePeerTableOncePerInterval(t *testing.T) {
 	defer e.Close()
 	const active = "10.0.0.1:5000"
 	slot := metrics.Slot{Op: 1}
-	deadline := time.Now().Add(20 * time.Second)
+	deadline := time.Now().Add(5 * time.Second)
 	for attempt := 0; time.Now().Before(deadline) && attempt < 50000; attempt++ {
 		tab := metrics.NewPeerTable(1)
 		e.metrics.peers = tab
@@ -91,7 +91,7 @@ func TestCancelRacingSubmitCountsTasksUnderTheirOwnTransport(t *testing.T) {
 	for i := range rs {
 		rs[i] = Request{Op: Write, Local: AddrOf(buf) + uint64(i)<<12, Segment: self, Remote: AddrOf(buf) + 512<<10 + uint64(i)<<12, Length: 4096}
 	}
-	deadline := time.Now().Add(15 * time.Second)
+	deadline := time.Now().Add(5 * time.Second)
 	for attempt := 0; time.Now().Before(deadline) && attempt < 50000; attempt++ {
 		b, err := e.AllocateBatch(len(rs))
 		if err != nil {
