@@ -32,6 +32,7 @@ import (
 	"github.com/kvferry/kvferry/engine/fence"
 	"github.com/kvferry/kvferry/engine/internal/bounded"
 	"github.com/kvferry/kvferry/engine/memory"
+	"github.com/kvferry/kvferry/engine/metadata"
 	"github.com/kvferry/kvferry/engine/requests"
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/engine/transport/local"
@@ -78,6 +79,7 @@ type Engine struct {
 	peerLog *ratelog.Limiter
 
 	resolver Resolver
+	meta     *metadata.Etcd // the cluster's store (Options.Metadata), nil without one
 
 	segMu    sync.Mutex
 	segments map[string]*Segment
@@ -165,6 +167,7 @@ type engineCounters struct {
 	bytesWritten, bytesRead                             atomic.Uint64
 	tasksCompleted, tasksFailed, tasksCanceled, retries atomic.Uint64
 	tasksInFlight                                       atomic.Int64
+	heartbeats, pathsClosedIdle                         atomic.Uint64
 	abortsSafe, abortsNotSafe, abortAcks, acksUnmatched atomic.Uint64
 	abortResends, abortsReceived, controlDropped        atomic.Uint64
 	acksSent, ownerStageRefused                         atomic.Uint64
@@ -280,6 +283,10 @@ func New(opts Options) (*Engine, error) {
 	e.bg.Add(1)
 	go e.heartbeats()
 	e.startMetricsListener()
+	if err := e.startMetadata(); err != nil {
+		_ = e.Close()
+		return nil, fmt.Errorf("kvferry: %w", err)
+	}
 	e.log.Debug("kvferry: engine started", "segment", e.Name(), "tcp", tcpAddr)
 	return e, nil
 }
@@ -343,6 +350,12 @@ func (e *Engine) Close() error {
 		return nil
 	}
 	e.cancel() // dials under way for retries give up
+	if e.meta != nil {
+		// Our entry goes first: peers watching stop counting on us.
+		if err := e.meta.Close(); err != nil {
+			e.log.Debug("kvferry: metadata store: close", "err", err)
+		}
+	}
 	if e.stopMetrics != nil {
 		e.stopMetrics()
 	}
@@ -440,8 +453,14 @@ func (e *Engine) heartbeats() {
 			}
 		}
 		e.segMu.Unlock()
+		now := monoNow()
+		e.trimIdle(now, segs)
 		var wg sync.WaitGroup
 		for _, s := range segs {
+			if !s.pingDue(now, e.opts.IdleHeartbeatInterval) {
+				continue
+			}
+			e.stats.heartbeats.Add(1)
 			wg.Add(1)
 			go func() {
 				defer wg.Done()

@@ -91,7 +91,14 @@ type Segment struct {
 
 	misses atomic.Int32
 	dead   atomic.Bool
-	stale  atomic.Bool // a transfer was refused for a stale key or a fence: refresh before the next plan
+	// inflight counts our tasks to the segment not yet ended; lastUsed
+	// (monoNow) is when one was last submitted; lastPing when the
+	// heartbeats last pinged it (0: ping at the next tick). Idle segments
+	// are pinged seldom and their paths closed (see trimIdle).
+	inflight atomic.Int64
+	lastUsed atomic.Int64
+	lastPing atomic.Int64
+	stale    atomic.Bool // a transfer was refused for a stale key or a fence: refresh before the next plan
 
 	// fences is what the owner told us of its fences: the epoch our
 	// transfers are stamped with, and the ranges a stamp is void for
@@ -163,6 +170,7 @@ func (e *Engine) OpenSegment(ctx context.Context, name string) (*Segment, error)
 		s.paths = s.paths[:1]
 	}
 	s.dialing = make([]chan struct{}, len(s.paths))
+	s.lastUsed.Store(monoNow())
 	if s.self {
 		s.desc.Store(e.Descriptor())
 	} else if err := s.refresh(ctx); err != nil {
@@ -235,10 +243,23 @@ func (s *Segment) refresh(ctx context.Context) error {
 		ctx, cancel = context.WithTimeout(ctx, s.e.opts.DefaultTimeout)
 		defer cancel()
 	}
-	d, err := s.e.resolver.Resolve(ctx, s.name)
+	resolver := s.e.resolver
+	if r, ok := resolver.(etcdResolver); ok && s.desc.Load() != nil {
+		// The store finds a segment; once open, the segment itself is
+		// asked: its answer is never behind the store's, and it comes
+		// while the store is away.
+		resolver = r.p2p
+	}
+	d, err := resolver.Resolve(ctx, s.name)
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrSegmentUnknown, err)
 	}
+	return s.apply(d)
+}
+
+// apply takes a descriptor of the segment, fetched or from the store's
+// watch; the caller holds the refreshing token.
+func (s *Segment) apply(d *control.Descriptor) error {
 	proto, err := s.e.chooseTransport(s.name, d)
 	if err != nil {
 		return err

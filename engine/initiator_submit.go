@@ -91,6 +91,13 @@ func (b *Batch) Submit(ctx context.Context, reqs []Request) error {
 		b.idle, b.idleClosed = make(chan struct{}), false
 	}
 	b.running.Add(int64(len(tasks)))
+	// Counted before any can end (they are not listed yet), so that an
+	// idle segment's paths are never closed under a task.
+	now := monoNow()
+	for _, t := range tasks {
+		t.req.Segment.inflight.Add(1)
+		t.req.Segment.lastUsed.Store(now)
+	}
 	if anyRID {
 		// Listed before a cancel can find them in the batch (a cancel
 		// would end them, and unlist them, first), and before abortMu is

@@ -198,6 +198,7 @@ func (t *task) finish() {
 	// batch's records may be reused.
 	e.tasks.remove(t)
 	e.stats.tasksInFlight.Add(-1)
+	t.req.Segment.inflight.Add(-1)
 	if b := t.b; b.running.Add(-1) == 0 {
 		b.mu.Lock()
 		if b.running.Load() == 0 && !b.idleClosed {

@@ -55,7 +55,7 @@ func (e *Engine) RegisterMemoryBatch(ranges []MemoryRange) ([]BufferKey, error) 
 	if err != nil {
 		return nil, fmt.Errorf("register memory: %w", err)
 	}
-	e.epoch.Add(1)
+	e.descriptorChanged()
 	keys := make([]BufferKey, len(regs))
 	for i, r := range regs {
 		keys[i] = r.Key
@@ -113,7 +113,7 @@ func (e *Engine) UnregisterMemoryBatch(addrs []uint64) error {
 	}
 	regs, err := e.reg.Unregister(addrs)
 	if regs != nil {
-		e.epoch.Add(1)
+		e.descriptorChanged()
 	}
 	if err != nil {
 		// With regions returned, they are gone but a path could not
@@ -163,7 +163,7 @@ func (e *Engine) FreeBuffer(addr uint64) error {
 	// progress, so unmapping is safe after it.
 	regs, err := e.reg.UnregisterOverlapping(addr, uint64(len(mem)))
 	if len(regs) > 0 {
-		e.epoch.Add(1)
+		e.descriptorChanged()
 	}
 	if err != nil {
 		if _, shared, _ := memory.Shared(addr, uint64(len(mem)), false); !shared {

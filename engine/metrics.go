@@ -284,6 +284,17 @@ func (c engineCollector) Collect(ch chan<- prometheus.Metric) {
 	gauge("kvferry_bytes_in_flight", float64(e.bytesInFlight()))
 	counter("kvferry_transfer_retries_total", s.Retries)
 	counter("kvferry_tcp_paths_idled_out_total", s.PathsIdledOut)
+	counter("kvferry_paths_closed_idle_total", s.PathsClosedIdle)
+	gauge("kvferry_open_paths", float64(s.OpenPaths))
+	counter("kvferry_heartbeats_total", s.Heartbeats)
+	if e.meta != nil {
+		ms := e.meta.Stats()
+		counter("kvferry_metadata_publishes_total", ms.Publishes)
+		counter("kvferry_metadata_publish_failures_total", ms.PublishFailures)
+		counter("kvferry_metadata_leases_lost_total", ms.LeasesLost)
+		counter("kvferry_metadata_watch_events_total", ms.WatchEvents)
+		counter("kvferry_metadata_malformed_total", ms.Malformed)
+	}
 
 	// Peers' accesses to our memory.
 	ts := e.tcp.Stats()

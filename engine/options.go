@@ -56,6 +56,11 @@ import (
 //	MetricsAddr        KVFERRY_METRICS_ADDR         "" (no listener; "host:port" serves http://host:port/metrics)
 //	MetricsPeers       KVFERRY_METRICS_PEERS        32 (peers with a label of their own; the rest count as "other")
 //	MetricsOff         KVFERRY_METRICS=0            false (per-peer counts and latency histograms are kept)
+//	Metadata           KVFERRY_METADATA             "" (P2P handshake; "etcd://host:port[,host:port]/prefix" for a cluster store)
+//	MetadataTTL        KVFERRY_METADATA_TTL_MS      10000 (lease of our entry in the store; at least 2000)
+//	PathIdleTimeout    KVFERRY_PATH_IDLE_MS         60000 (paths to a peer unused this long are closed)
+//	IdlePaths          KVFERRY_IDLE_PATHS           256 (paths kept open to peers with nothing in flight; least recently used closed first)
+//	IdleHeartbeatInterval KVFERRY_IDLE_HEARTBEAT_MS 15000 (how often a peer unused for that long is pinged)
 type Options struct {
 	// Host is the address the control plane and the data plane listen
 	// on, and the host part of the segment name. An IPv6 address is given
@@ -259,8 +264,38 @@ type Options struct {
 	// measure what counting costs.
 	MetricsOff bool
 	// Resolver finds segment descriptors; default: ask the segment's own
-	// control endpoint (P2P handshake).
+	// control endpoint (P2P handshake), or the store Metadata names.
 	Resolver Resolver
+	// Metadata names a cluster store for segment descriptors:
+	// "etcd://host:port[,host:port...][/prefix]" (prefix "kvferry" when
+	// left out). The engine publishes its descriptor there under a lease
+	// (it goes MetadataTTL after the engine dies; at once when it closes),
+	// writes it again when registrations change, finds segments there and
+	// watches them: a peer's new incarnation is taken when the store sees
+	// it. Once a segment is open it is asked itself, so transfers to it go
+	// on while the store is away; opening a segment then fails by its
+	// deadline, saying so. New fails when the store cannot take our entry
+	// within DefaultTimeout (at most 10 s). "" or "p2p": the P2P
+	// handshake. Not with Resolver.
+	Metadata string
+	// MetadataTTL is the lease of our entry in the store: how long it
+	// outlives the engine's last keepalive. 10 s when zero, at least 2 s.
+	MetadataTTL time.Duration
+	// PathIdleTimeout closes the paths to a peer with nothing in flight
+	// and nothing submitted for this long (the next transfer dials again);
+	// IdlePaths caps the paths kept open to such peers together, closing
+	// the least recently used peers' paths first. Both act at heartbeat
+	// ticks. They bound what an engine holds open (file descriptors,
+	// buffers, goroutines) for many peers used now and then. Defaults 60 s
+	// and 256; IdlePaths -1 closes every idle path at the next tick.
+	PathIdleTimeout time.Duration
+	IdlePaths       int
+	// IdleHeartbeatInterval is how often a peer with nothing in flight and
+	// nothing submitted for that long is pinged: idle peers cost little
+	// heartbeat traffic however many there are. Peers in use are pinged
+	// every HeartbeatInterval. 15 s when zero; never below
+	// HeartbeatInterval.
+	IdleHeartbeatInterval time.Duration
 	// IgnoreEnv makes New skip the KVFERRY_* variables.
 	IgnoreEnv bool
 	// Testing holds switches for tests only; never set them in production.
@@ -334,6 +369,7 @@ func (o *Options) applyEnv() error {
 	str("KVFERRY_RDMA_DEVICES", &o.RDMADevices)
 	str("KVFERRY_CUDA_LIBRARY", &o.CUDALibrary)
 	str("KVFERRY_METRICS_ADDR", &o.MetricsAddr)
+	str("KVFERRY_METADATA", &o.Metadata)
 	if v, ok := os.LookupEnv("KVFERRY_METRICS"); ok && v != "" {
 		switch v {
 		case "0":
@@ -370,6 +406,7 @@ func (o *Options) applyEnv() error {
 		{"KVFERRY_CONTROL_BUFFER_MB", &o.ControlBufferMiB},
 		{"KVFERRY_TCP_MAX_CONNS_PER_PEER", &o.TCPMaxConnsPerPeer}, {"KVFERRY_TCP_MAX_CONNS", &o.TCPMaxConns},
 		{"KVFERRY_TCP_MIN_RATE", &o.TCPMinRate}, {"KVFERRY_METRICS_PEERS", &o.MetricsPeers},
+		{"KVFERRY_IDLE_PATHS", &o.IdlePaths},
 	} {
 		if err := num(f.name, f.dst); err != nil {
 			return err
@@ -384,6 +421,8 @@ func (o *Options) applyEnv() error {
 		{"KVFERRY_TOMBSTONE_TTL_MS", &o.TombstoneTTL}, {"KVFERRY_RDMA_COMPLETION_TIMEOUT_MS", &o.RDMACompletionTimeout},
 		{"KVFERRY_RDMA_FENCE_GRACE_MS", &o.RDMAFenceGrace}, {"KVFERRY_FENCE_GRACE_MS", &o.FenceGrace},
 		{"KVFERRY_TCP_IDLE_TIMEOUT_MS", &o.TCPIdleTimeout}, {"KVFERRY_TCP_FRAME_TIMEOUT_MS", &o.TCPFrameTimeout},
+		{"KVFERRY_METADATA_TTL_MS", &o.MetadataTTL}, {"KVFERRY_PATH_IDLE_MS", &o.PathIdleTimeout},
+		{"KVFERRY_IDLE_HEARTBEAT_MS", &o.IdleHeartbeatInterval},
 	} {
 		if err := ms(f.name, f.dst); err != nil {
 			return err
@@ -495,6 +534,30 @@ func (o *Options) fill() error {
 	if o.MetricsPeers < 0 || o.MetricsPeers > 4096 {
 		return fmt.Errorf("metrics peers %d: want 1 to 4096 (0: the default, 32)", o.MetricsPeers)
 	}
+	if _, _, err := metadataConfig(o.Metadata); err != nil {
+		return err
+	}
+	if o.Resolver != nil {
+		if _, store, _ := metadataConfig(o.Metadata); store {
+			return fmt.Errorf("metadata %q and a Resolver: give one", o.Metadata)
+		}
+	}
+	def(&o.MetadataTTL, 10*time.Second)
+	if o.MetadataTTL < 2*time.Second {
+		return fmt.Errorf("metadata TTL %v: want at least 2s", o.MetadataTTL)
+	}
+	def(&o.PathIdleTimeout, time.Minute)
+	if o.IdlePaths == 0 {
+		o.IdlePaths = 256
+	}
+	if o.IdlePaths < -1 {
+		return fmt.Errorf("idle paths %d: want -1 (none kept), 0 (default: 256) or more", o.IdlePaths)
+	}
+	if o.IdlePaths == -1 {
+		o.IdlePaths = 0
+	}
+	def(&o.IdleHeartbeatInterval, 15*time.Second)
+	o.IdleHeartbeatInterval = max(o.IdleHeartbeatInterval, o.HeartbeatInterval)
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: o.LogLevel})).With("lib", "kvferry")
 	}

@@ -43,6 +43,10 @@ type Stats struct {
 	AcceptErrors  uint64 // failed accepts on the data port (out of file descriptors...); the loop backs off and goes on
 	// TCP paths, as initiator.
 	PathsIdledOut uint64 // our paths an owner closed as idle; their slices it had not read were posted again
+	// Peers, as initiator.
+	PathsClosedIdle uint64 // our paths to idle peers we closed (PathIdleTimeout, IdlePaths)
+	OpenPaths       int    // paths to peers open now
+	Heartbeats      uint64 // pings sent to open segments
 
 	// Same-host (shm) transport. Its owner-side bytes, refusals and
 	// protocol errors count in OwnerBytesIn, OwnerBytesOut, OwnerRefused,
@@ -171,7 +175,7 @@ func (e *Engine) Stats() Stats {
 		SHMConns:       sh.Conns, SHMSharedSlices: sh.SharedSlices, SHMAttachSlices: sh.AttachSlices, SHMGPUSlices: sh.GPUSlices,
 		SHMFallbackSlices: sh.FallbackSlices, SHMStopsUnconfirmed: sh.StopsUnconfirmed,
 		DataConns: t.Conns, ConnsRefused: t.RefusedPerPeer + t.RefusedTotal, IdleClosed: t.IdleClosed,
-		FrameTimeouts: t.FrameTimeouts, PathsIdledOut: t.GoAways, AcceptErrors: t.AcceptErrors,
+		FrameTimeouts: t.FrameTimeouts, PathsIdledOut: t.GoAways, PathsClosedIdle: e.stats.pathsClosedIdle.Load(), OpenPaths: e.openPathCount(), Heartbeats: e.stats.heartbeats.Load(), AcceptErrors: t.AcceptErrors,
 		ControlDropped: c.Malformed + e.stats.controlDropped.Load(), ControlLate: c.Unmatched, Registrations: e.reg.Len(), OpenSegments: nseg,
 		ControlConns: c.Conns, ControlPeers: c.Peers, ControlConnsRefused: c.ConnsRefused, ControlConnsCut: c.ConnsCut,
 		ControlOverBudget: c.OverBudget, ControlSendFails: c.SendFails,
