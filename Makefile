@@ -87,6 +87,8 @@ fuzz-short:
 	$(GO) test ./engine/transport/shm -run='^$$' -fuzz='^FuzzOwnerStream$$' -fuzztime=$(FUZZTIME_NET) -fuzzminimizetime=1s
 	$(GO) test ./verbs/topo -run='^$$' -fuzz='^FuzzParseFilter$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./cmd/kvferry -run='^$$' -fuzz='^FuzzTopRender$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/metadata -run='^$$' -fuzz='^FuzzDecodeValue$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/metadata -run='^$$' -fuzz='^FuzzParseURL$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 
 # Throughput against the raw-tcp baseline of the same run, and Go benchmarks.
 bench: build

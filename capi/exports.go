@@ -109,7 +109,7 @@ func engineOptions(copts *C.kvf_engine_options) (engine.Options, int, error) {
 	}{
 		{c.advertise_host, &o.AdvertiseHost}, {c.secret_key_file, &o.SecretKeyFile},
 		{c.allowlist_file, &o.AllowlistFile}, {c.cluster_secret_file, &o.ClusterSecretFile},
-		{c.metrics_addr, &o.MetricsAddr},
+		{c.metrics_addr, &o.MetricsAddr}, {c.metadata, &o.Metadata},
 	} {
 		if f.src != nil {
 			*f.dst = C.GoString(f.src)

@@ -19,7 +19,7 @@ _Static_assert(sizeof(void *) == 8, "kvferry needs a 64-bit platform");
 _Static_assert(sizeof(kvf_engine) == sizeof(uintptr_t), "handles are uintptr_t ids");
 _Static_assert(sizeof(kvf_request) == 48, "kvf_request layout is part of the ABI");
 _Static_assert(sizeof(kvf_task_status) == 16, "kvf_task_status layout is part of the ABI");
-_Static_assert(sizeof(kvf_engine_options) == 112, "kvf_engine_options layout is part of the ABI");
+_Static_assert(sizeof(kvf_engine_options) == 120, "kvf_engine_options layout is part of the ABI");
 _Static_assert(sizeof(kvf_memory_range) == 24, "kvf_memory_range layout is part of the ABI");
 _Static_assert(sizeof(kvf_event) == 152, "kvf_event layout is part of the ABI");
 _Static_assert(sizeof(kvf_fence_result) == 32, "kvf_fence_result layout is part of the ABI");

@@ -505,4 +505,4 @@ var metricHelp = map[string]string{
 }
 
 // Version is the library's version, as in kvferry.h's KVF_VERSION_STRING.
-const Version = "0.6.0"
+const Version = "0.7.0"

@@ -58,12 +58,12 @@ extern "C" {
 /* ------------------------------------------------------------------------ */
 
 #define KVF_VERSION_MAJOR 0
-#define KVF_VERSION_MINOR 6
+#define KVF_VERSION_MINOR 7
 #define KVF_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, as zstd's ZSTD_VERSION_NUMBER. */
 #define KVF_VERSION_NUMBER \
     (KVF_VERSION_MAJOR * 10000 + KVF_VERSION_MINOR * 100 + KVF_VERSION_PATCH)
-#define KVF_VERSION_STRING "0.6.0"
+#define KVF_VERSION_STRING "0.7.0"
 
 /* The library's KVF_VERSION_NUMBER, to check that header and library agree
  * (the major version must match; a library at least as new as the header is
@@ -246,6 +246,23 @@ typedef struct kvf_engine_options {
                                         warning and the engine starts anyway.
                                         NULL: no listener (kvf_metrics_text
                                         still gives the text) */
+    /* Since 0.7. KVFERRY_METADATA overrides. */
+    const char *metadata;            /* where segments are found:
+                                        "etcd://host:port[,host:port]/prefix"
+                                        keeps this engine's descriptor in etcd
+                                        under the prefix (default prefix
+                                        "kvferry"), with a lease (gone 10 s
+                                        after the engine dies, at once when it
+                                        is destroyed), and opens segments by
+                                        name through it; creation fails with
+                                        KVF_ERR_INVALID_ARG when the store
+                                        does not take the entry within
+                                        default_timeout_ms (at most 10 s).
+                                        Transfers to open segments go on
+                                        while the store is away; opening a
+                                        segment then fails by its deadline.
+                                        NULL or "p2p": ask each segment itself
+                                        (P2P handshake) */
 } kvf_engine_options;
 
 /* Sets every field to its default (zero) and struct_size to the size this

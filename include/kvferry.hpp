@@ -85,6 +85,7 @@ struct Options {
     std::string allowlist_file;      // peers' public keys; reread by Engine::reload_allowlist
     std::string cluster_secret_file; // instead of the two above: a secret the cluster shares
     std::string metrics_addr;        // "" : no metrics listener; "host:port" serves /metrics
+    std::string metadata;            // "" : P2P; "etcd://host:port/prefix": segments found in etcd
 
     // The C struct; its strings point into this object.
     kvf_engine_options c() const {
@@ -108,6 +109,7 @@ struct Options {
         o.allowlist_file = allowlist_file.empty() ? nullptr : allowlist_file.c_str();
         o.cluster_secret_file = cluster_secret_file.empty() ? nullptr : cluster_secret_file.c_str();
         o.metrics_addr = metrics_addr.empty() ? nullptr : metrics_addr.c_str();
+        o.metadata = metadata.empty() ? nullptr : metadata.c_str();
         return o;
     }
 };

@@ -7,7 +7,10 @@ set -euo pipefail
 # write to the system (PEP 668); `make wheel` keeps its tools in one.
 # nftables, iproute2: `make test-netfault` drops packets with nft and shapes lo
 # with tc.
-apt_pkgs=(libzmq3-dev libibverbs-dev pkg-config cmake ninja-build g++ iperf3 python3 python3-pip python3-venv nftables iproute2 curl)
+# etcd-server: the metadata-store tests and the cluster test start their own
+# etcd on free ports (the package's service, where systemd runs it, is not
+# used).
+apt_pkgs=(libzmq3-dev libibverbs-dev pkg-config cmake ninja-build g++ iperf3 python3 python3-pip python3-venv nftables iproute2 curl etcd-server)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -14,7 +14,7 @@ import (
 func TestTopPrintsNoControlCharactersAnEndpointSent(t *testing.T) {
 	const esc = "\x1b]0;owned\x07\x1b[2J"
 	text := "# TYPE kvferry_info gauge\n" +
-		"kvferry_info{engine=\"a:1" + esc + "\",version=\"0.6.0" + esc + "\"} 1\n" +
+		"kvferry_info{engine=\"a:1" + esc + "\",version=\"0.7.0" + esc + "\"} 1\n" +
 		"# TYPE kvferry_transfers_total counter\n" +
 		"kvferry_transfers_total{engine=\"a:1" + esc + "\",op=\"write\",peer=\"p" + esc + "\",status=\"completed\",transport=\"tcp\"} 3\n"
 	cur := mustSample(t, time.Now(), text)
@@ -34,7 +34,7 @@ func TestTopPrintsNoControlCharactersAnEndpointSent(t *testing.T) {
 // not print an infinite or negative duration.
 func TestTopLatencyPastTheLastBucketShowsTheLastFiniteBound(t *testing.T) {
 	text := `# TYPE kvferry_info gauge
-kvferry_info{engine="a:1",version="0.6.0"} 1
+kvferry_info{engine="a:1",version="0.7.0"} 1
 # TYPE kvferry_transfer_duration_seconds histogram
 kvferry_transfer_duration_seconds_bucket{engine="a:1",op="write",size="gt_16MiB",le="41.94304"} 0
 kvferry_transfer_duration_seconds_bucket{engine="a:1",op="write",size="gt_16MiB",le="83.88608"} 0

@@ -21,7 +21,7 @@ func mustSample(t *testing.T, at time.Time, text string) *sample {
 }
 
 const topScrape1 = `# TYPE kvferry_info gauge
-kvferry_info{engine="a:1",version="0.6.0"} 1
+kvferry_info{engine="a:1",version="0.7.0"} 1
 # TYPE kvferry_transfer_bytes_total counter
 kvferry_transfer_bytes_total{engine="a:1",op="write",peer="b:2",transport="tcp"} 1e9
 # TYPE kvferry_transfers_total counter
@@ -40,7 +40,7 @@ kvferry_owner_refusals_total{engine="a:1",reason="aborted"} 2
 // Two seconds later: 3e9 more bytes, 3000 more transfers (of which 4 more
 // failed), the new ones all between 2 and 4 ms, 5 more refusals.
 const topScrape2 = `# TYPE kvferry_info gauge
-kvferry_info{engine="a:1",version="0.6.0"} 1
+kvferry_info{engine="a:1",version="0.7.0"} 1
 # TYPE kvferry_transfer_bytes_total counter
 kvferry_transfer_bytes_total{engine="a:1",op="write",peer="b:2",transport="tcp"} 4e9
 # TYPE kvferry_transfers_total counter

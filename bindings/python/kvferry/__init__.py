@@ -62,7 +62,7 @@ from .engine import (
     library_version,
 )
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
 
 # The public names: engine's, and those defined elsewhere in the package.
 __all__ = ["LibraryNotFound", "PrometheusCollector", "PrometheusMirror", "__version__", "address_of", "register_prometheus"]

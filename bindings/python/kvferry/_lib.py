@@ -33,7 +33,7 @@ from typing import List, Optional
 # The header's KVF_VERSION_MAJOR this binding was written for.
 ABI_MAJOR = 0
 # The oldest library minor version with every function declared here.
-ABI_MIN_MINOR = 6
+ABI_MIN_MINOR = 7
 
 TIMEOUT_DEFAULT = -1
 EVENT_DATA_MAX = 64
@@ -96,6 +96,7 @@ class EngineOptions(Structure):
         ("allowlist_file", c_char_p),
         ("cluster_secret_file", c_char_p),
         ("metrics_addr", c_char_p),
+        ("metadata", c_char_p),
     ]
 
 

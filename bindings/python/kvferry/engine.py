@@ -737,7 +737,10 @@ class Engine:
     tcp data connections, and the engine talks to no peer that does not
     (:class:`UnauthenticatedError`). ``metrics_addr`` ("127.0.0.1:9400";
     port 0 picks one, :attr:`metrics_addr` says which) serves the engine's
-    Prometheus metrics over HTTP at ``/metrics``.
+    Prometheus metrics over HTTP at ``/metrics``. ``metadata``
+    ("etcd://host:port[,host:port]/prefix") keeps this engine's descriptor in
+    etcd and finds segments there instead of asking each segment (the
+    default, P2P); transfers to open segments go on while the store is away.
 
     A context manager; :meth:`close` is idempotent, and an engine that is
     garbage collected unclosed is destroyed then. After close, every method
@@ -750,7 +753,8 @@ class Engine:
                  heartbeat_misses: int = 0, log_level: Union[int, str] = 0, go_max_procs: int = 0,
                  ignore_env: bool = False, advertise_host: Optional[str] = None,
                  secret_key_file: Optional[str] = None, allowlist_file: Optional[str] = None,
-                 cluster_secret_file: Optional[str] = None, metrics_addr: Optional[str] = None) -> None:
+                 cluster_secret_file: Optional[str] = None, metrics_addr: Optional[str] = None,
+                 metadata: Optional[str] = None) -> None:
         self._h: Optional[int] = None
         lib = _L()
         o = _lib.EngineOptions()
@@ -766,6 +770,8 @@ class Engine:
         o.advertise_host, o.secret_key_file, o.allowlist_file, o.cluster_secret_file = auth_b
         metrics_b = self._str_opt(metrics_addr, "metrics_addr")
         o.metrics_addr = metrics_b
+        metadata_b = self._str_opt(metadata, "metadata")
+        o.metadata = metadata_b
         port = _as_int(port, "port")
         if not 0 <= port <= 65535:
             raise ValueError(f"port {port}: must be in [0, 65535]")

@@ -58,6 +58,29 @@ log = logging.getLogger("kvferry.mooncake")
 
 P2PHANDSHAKE = "P2PHANDSHAKE"
 
+
+def _metadata_url(server: str, mtype: Optional[str]) -> Optional[str]:
+    """Mooncake's metadata server (and type) as the engine's metadata option:
+    None for the P2P handshake, "etcd://..." for an etcd cluster. Raises
+    ValueError, naming what is supported, for anything else."""
+    kind = (mtype or "").strip().lower()
+    if server == P2PHANDSHAKE or (server.lower() in ("p2p", "p2phandshake") and kind in ("", "p2p")):
+        return None
+    scheme, sep, rest = server.partition("://")
+    if not sep:
+        scheme, rest = kind or "etcd", server  # Mooncake reads a bare address as etcd
+    scheme = scheme.lower()
+    if kind and kind not in (scheme, "p2p"):
+        raise ValueError(f"metadata server {server!r} is not of type {mtype!r}")
+    if scheme != "etcd":
+        raise ValueError(f"metadata server {server!r} of type {scheme!r} is not supported; kvferry finds segments "
+                         f"in etcd (etcd://host:port or host:port) or peer to peer ({P2PHANDSHAKE!r})")
+    hosts, slash, prefix = rest.partition("/")
+    hosts = ",".join(h.strip() for h in hosts.replace(";", ",").split(",") if h.strip())
+    if not hosts:
+        raise ValueError(f"metadata server {server!r}: no etcd endpoint (want host:port)")
+    return "etcd://" + hosts + (slash + prefix if prefix else "")
+
 # kvf_op values from include/kvferry.h (KVF_OP_READ = 0, KVF_OP_WRITE = 1).
 # Defined here rather than taken from _lib, whose OP_READ/OP_WRITE (1/2) do not
 # match the header (reported to the lead; with them a "read" would be a WRITE).
@@ -238,8 +261,12 @@ class TransferEngine:
         """Creates the engine. ``local_hostname`` is "host" (a free port is
         picked) or "host:port" (that port is listened on); the host may be a
         name ("localhost", the machine's name) or an address, and the
-        session id keeps it as given. ``metadata_server`` must be
-        "P2PHANDSHAKE". ``protocol`` is "tcp" or "rdma"; "rdma" takes rdma
+        session id keeps it as given. ``metadata_server`` is
+        "P2PHANDSHAKE" (segments asked themselves) or an etcd cluster as
+        Mooncake names one: "etcd://host:port[,host:port]" or the bare
+        "host:port[;host:port]" (segments found there under the prefix
+        "kvferry", or the URL's path); redis and http metadata servers are
+        refused (-1). ``protocol`` is "tcp" or "rdma"; "rdma" takes rdma
         with peers on other hosts and shm with peers on this host, and, as
         Mooncake does, on a host without a usable RDMA device falls back to
         tcp (shm on this host) with one WARNING naming the reason;
@@ -255,10 +282,10 @@ class TransferEngine:
             raise RuntimeError("kvferry.mooncake.TransferEngine: initialize() after close()")
         if self._engine is not None:
             return self._fail(_lib.ERR_INVALID, "initialize: already initialized")
-        if metadata_server != P2PHANDSHAKE:
-            return self._fail(_lib.ERR_UNSUPPORTED,
-                              f"initialize: metadata server {metadata_server!r} is not supported; "
-                              f"kvferry exchanges segment descriptors peer to peer: use {P2PHANDSHAKE!r}")
+        try:
+            metadata_url = _metadata_url(metadata_server, None)
+        except ValueError as e:
+            return self._fail(_lib.ERR_UNSUPPORTED, f"initialize: {e}")
         # Read here, not by the Go runtime (which saw the environment only as
         # it was when the library loaded), so callers that hardcode "rdma"
         # can be pointed at "tcp" without code changes.
@@ -290,6 +317,8 @@ class TransferEngine:
         opts.host = host.encode()
         opts.protocol = protocol.encode()
         opts.port = port or 0
+        if metadata_url:
+            opts.metadata = metadata_url.encode()
         # The engine's default deadline also bounds submits that must refresh
         # a descriptor or connect, so it follows the sync deadline.
         opts.default_timeout_ms = self._ms(self._timeout_s)
@@ -327,18 +356,17 @@ class TransferEngine:
     def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str,
                        device_name: str, metadata_type: str) -> int:
         """Mooncake's extended initialize: as :meth:`initialize`, with the
-        metadata server's type named. kvferry exchanges descriptors peer
-        to peer: ``metadata_server`` "P2PHANDSHAKE" (any ``metadata_type``,
-        or "p2p") works; other metadata servers (etcd, redis, http) are a
-        clear -1 until cluster metadata lands."""
+        metadata server's type named: "etcd" with "host:port[;host:port]"
+        or "etcd://..." (segments found in that etcd cluster), "p2p" or any
+        type with "P2PHANDSHAKE" (segments asked themselves); "redis" and
+        "http" are a clear -1 (not supported)."""
         metadata_type = _str(metadata_type, "metadata_type")
         metadata_server = _str(metadata_server, "metadata_server")
-        if metadata_server != P2PHANDSHAKE:
-            return self._fail(_lib.ERR_UNSUPPORTED,
-                              f"initialize_ext: metadata server {metadata_server!r} of type {metadata_type!r} "
-                              f"is not supported; kvferry exchanges segment descriptors peer to peer: "
-                              f"use {P2PHANDSHAKE!r}")
-        return self.initialize(local_hostname, metadata_server, protocol, device_name)
+        try:
+            url = _metadata_url(metadata_server, metadata_type)
+        except ValueError as e:
+            return self._fail(_lib.ERR_UNSUPPORTED, f"initialize_ext: {e}")
+        return self.initialize(local_hostname, url or P2PHANDSHAKE, protocol, device_name)
 
     def get_engine(self) -> "TransferEngine":
         """Mooncake returns its underlying C++ engine. kvferry has no

@@ -608,7 +608,7 @@ def test_wrong_types_raise_type_error(engine: TransferEngine, peer: script.Peer,
 def test_engine_lifecycle_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before initialize() and after close() calls raise RuntimeError
     (Mooncake crashes there); a second initialize() and unsupported
-    metadata servers return -1; "host:port" listens on that port;
+    (redis, http) metadata servers return -1; "host:port" listens on that port;
     KVFERRY_PROTOCOL=rdma without a device is an error, not a fallback."""
     e = TransferEngine()
     with pytest.raises(RuntimeError, match="initialize"):
@@ -619,8 +619,9 @@ def test_engine_lifecycle_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         e.transfer_sync_write(f"{HOST}:1", 1 << 20, 1 << 20, 16)
 
     monkeypatch.delenv("KVFERRY_PROTOCOL", raising=False)
-    assert e.initialize(HOST, "etcd://127.0.0.1:2379", "tcp", "") == -1
-    assert "P2PHANDSHAKE" in e.last_error()[1]
+    assert e.initialize(HOST, "redis://127.0.0.1:6379", "tcp", "") == -1
+    assert "P2PHANDSHAKE" in e.last_error()[1] and "etcd" in e.last_error()[1]
+    assert e.initialize(HOST, "http://127.0.0.1:8080/metadata", "tcp", "") == -1
     monkeypatch.setenv("KVFERRY_PROTOCOL", "rdma")
     assert e.initialize(HOST, "P2PHANDSHAKE", "rdma", "mlx5_0") == -1
     assert "rdma" in e.last_error()[1] and "KVFERRY_PROTOCOL" in e.last_error()[1]
@@ -743,8 +744,8 @@ def test_startup_as_sglang_and_vllm_do(monkeypatch: pytest.MonkeyPatch, caplog: 
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
 
     with TransferEngine() as f:
-        assert f.initialize_ext("localhost", "etcd://127.0.0.1:2379", "tcp", "", "etcd") == -1
-        assert "P2PHANDSHAKE" in f.last_error()[1]
+        assert f.initialize_ext("localhost", "127.0.0.1:6379", "tcp", "", "redis") == -1
+        assert "P2PHANDSHAKE" in f.last_error()[1] and "etcd" in f.last_error()[1]
 
 
 def test_other_protocol_strings_take_what_the_host_offers(monkeypatch: pytest.MonkeyPatch,
