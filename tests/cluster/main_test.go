@@ -49,7 +49,7 @@ func TestMain(m *testing.M) {
 	switch {
 	case os.Getenv(gateEnv) != "1":
 		skipReason = "the cluster test creates network namespaces, a bridge and an etcd server, injects faults " +
-			"and runs for minutes: it runs alone, through `make test-cluster` (" + gateEnv + "=1)"
+			"and runs for about a minute: it runs alone, through `make test-cluster` (" + gateEnv + "=1)"
 	default:
 		skipReason = missingTools()
 	}

@@ -156,7 +156,7 @@ func (tp *topo) startEtcd() {
 		"--data-dir", filepath.Join(tp.dir, "etcd"),
 		"--listen-client-urls", client, "--advertise-client-urls", client,
 		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-		"--initial-cluster", "meta="+peer, "--log-level", "error")
+		"--initial-cluster", "meta="+peer, "--logger", "zap", "--log-level", "error")
 	cmd.Stdout, cmd.Stderr = io.Discard, os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
