@@ -33,6 +33,7 @@ type phase struct {
 	requests, completed    int
 	bytesMoved, bytesVerif uint64
 	failed, expected       int
+	byUs, byFault          int // the expected failures: of requests we aborted or fenced, of requests a fault touched
 	unexpected             []string
 	aborts, abortsSafe     int
 	fences, fencesSafe     int
@@ -303,12 +304,14 @@ func (d *driver) request(rng *rand.Rand, p, dec *host) {
 			case r.err != nil:
 				ph.failed++
 				ph.expected++
+				ph.byUs++
 				ph.failKinds["driver: "+shortErr(r.err)]++
 			case r.a.status == "COMPLETED":
 				ph.completed++
 			default:
 				ph.failed++
 				ph.expected++ // we aborted it
+				ph.byUs++
 				ph.failKinds[r.a.status+"/"+r.a.kind]++
 			}
 			if abortErr == nil && !abortSafe && !faulted {
@@ -348,6 +351,7 @@ func (d *driver) request(rng *rand.Rand, p, dec *host) {
 		ph.failKinds[kind]++
 		if faulted {
 			ph.expected++
+			ph.byFault++
 		} else {
 			ph.unexpected = append(ph.unexpected, fmt.Sprintf("rid %d (%s -> %s, started %s): %s",
 				rid, p.name(), dec.name(), start.Format("15:04:05.000"), why))

@@ -304,13 +304,13 @@ func printReport(t *testing.T, tp *topo, d *driver, lines []string, wall time.Du
 	var b strings.Builder
 	fmt.Fprintf(&b, "\n==== kvferry cluster report: %d hosts (%d prefill, %d decode) + etcd, subnet %s.0/24, pages of %d KiB ====\n",
 		len(tp.hosts), len(tp.of("prefill")), len(tp.of("decode")), tp.net, pageSize>>10)
-	fmt.Fprintf(&b, "%-14s %6s %6s %9s %9s %6s %5s %5s %11s %11s %12s %9s\n",
-		"phase", "reqs", "done", "moved MiB", "verif MiB", "failed", "exp", "unexp", "aborts safe", "fences safe", "cleanup safe", "corrupted")
+	fmt.Fprintf(&b, "%-14s %6s %6s %9s %9s %6s %11s %5s %11s %11s %12s %9s\n",
+		"phase", "reqs", "done", "moved MiB", "verif MiB", "failed", "exp(us/flt)", "unexp", "aborts safe", "fences safe", "cleanup safe", "corrupted")
 	var tot phase
 	row := func(p *phase) {
-		fmt.Fprintf(&b, "%-14s %6d %6d %9.1f %9.1f %6d %5d %5d %5d/%-5d %5d/%-5d %6d/%-5d %9d\n",
+		fmt.Fprintf(&b, "%-14s %6d %6d %9.1f %9.1f %6d %11s %5d %5d/%-5d %5d/%-5d %6d/%-5d %9d\n",
 			p.name, p.requests, p.completed, float64(p.bytesMoved)/(1<<20), float64(p.bytesVerif)/(1<<20),
-			p.failed, p.expected, len(p.unexpected), p.abortsSafe, p.aborts, p.fencesSafe, p.fences,
+			p.failed, fmt.Sprintf("%d(%d/%d)", p.expected, p.byUs, p.byFault), len(p.unexpected), p.abortsSafe, p.aborts, p.fencesSafe, p.fences,
 			p.cleanupsSafe, p.cleanups, p.corrupted)
 	}
 	d.mu.Lock()
@@ -325,6 +325,8 @@ func printReport(t *testing.T, tp *topo, d *driver, lines []string, wall time.Du
 		tot.bytesVerif += p.bytesVerif
 		tot.failed += p.failed
 		tot.expected += p.expected
+		tot.byUs += p.byUs
+		tot.byFault += p.byFault
 		tot.unexpected = append(tot.unexpected, p.unexpected...)
 		tot.aborts += p.aborts
 		tot.abortsSafe += p.abortsSafe
@@ -339,7 +341,9 @@ func printReport(t *testing.T, tp *topo, d *driver, lines []string, wall time.Du
 	}
 	tot.name = "TOTAL"
 	row(&tot)
-	fmt.Fprintf(&b, "(reqs: requests given pages; reserve refused for lack of free pages: %d; reserve on a dead decode: %d)\n", tot.full, tot.decodeDown)
+	fmt.Fprintf(&b, "(reqs: requests given pages; exp: failures of requests we aborted or fenced (us) or that a fault touched (flt);\n"+
+		" cleanup: aborts that take back a failed request's pages; reserve refused for lack of free pages: %d; reserve on a dead decode: %d)\n",
+		tot.full, tot.decodeDown)
 	fmt.Fprintf(&b, "failures by status/kind:\n")
 	for _, p := range phases {
 		p.mu.Lock()
