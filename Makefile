@@ -32,7 +32,7 @@ run: build
 	$(BIN)/kvferry-bench --mode loopback --protocol shm --op write --block-size 1048576 --threads 4 --duration 5
 	$(BIN)/kvferry-bench --mode loopback --protocol shm --op read --block-size 1048576 --threads 4 --duration 5
 
-test: deps fmt-check vet test-fakeverbs test-fakecuda test-go test-race test-netfault fuzz-short test-c test-python test-rxe-ci
+test: deps fmt-check vet test-fakeverbs test-fakecuda test-go test-race test-netfault test-cluster fuzz-short test-c test-python test-rxe-ci
 	@echo "make test: all passed; soft-RoCE suite: $$(cat build/rxe/status 2>/dev/null || echo 'not run')"
 
 fmt-check:

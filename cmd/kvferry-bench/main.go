@@ -7,6 +7,7 @@
 //	kvferry-bench --mode auth --duration 2
 //	kvferry-bench --mode pingpong --block-size 4096 --duration 6
 //	kvferry-bench --mode samehost --duration 12
+//	kvferry-bench --mode peers --peers 2,8,32,128,256 --idle 5
 //	kvferry-bench --mode loopback --duration 20 --metrics-addr 127.0.0.1:9400
 //	kvferry-bench --mode metrics-cost --protocol tcp --block-size 65536 --duration 2 --buffer-size 67108864
 //
@@ -53,6 +54,8 @@ type config struct {
 	metricsAddr                      string        // engines serve their metrics here (--metrics-addr)
 	metricsOff                       bool          // --metrics off: no per-task counting
 	rounds                           int           // metrics-cost mode: rounds of each setting
+	peerCounts                       string        // peers mode: the peer counts measured
+	peerWindow                       float64       // peers mode: seconds of each traffic window
 	progressEvery                    time.Duration // a progress line this often (0: every 5 s from 10 s runs)
 	// ready and gate line up runs that are timed side by side: each calls
 	// ready once set up, then starts its timed loop when gate closes.
@@ -62,7 +65,7 @@ type config struct {
 
 func main() {
 	var c config
-	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp | abort | fence | auth | pingpong | samehost")
+	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp | abort | fence | auth | pingpong | samehost | peers")
 	flag.StringVar(&c.proto, "protocol", "", "engines' data-plane protocol: auto, tcp, rdma or shm (empty: auto; KVFERRY_PROTOCOL, when set, overrides it)")
 	flag.StringVar(&c.op, "op", "write", "write | read")
 	flag.StringVar(&c.segment, "segment", "", "the target's segment name host:port (initiator mode; abort mode: be the child of --two-process)")
@@ -76,6 +79,8 @@ func main() {
 	flag.IntVar(&c.pathCount, "paths", 0, "connections per peer (0: --threads)")
 	flag.Uint64Var(&c.seed, "seed", 1, "data pattern seed (target and initiator must agree)")
 	flag.Float64Var(&c.rate, "rate", 1000, "abort mode: background WRITE rate to aim at, MB/s (1e6 bytes)")
+	flag.StringVar(&c.peerCounts, "peers", "2,8,32,128,256", "peers mode: peer counts to measure, comma-separated")
+	flag.Float64Var(&c.peerWindow, "idle", 5, "peers mode: seconds of each window in which background traffic is measured")
 	flag.DurationVar(&c.abortEvery, "abort-interval", 10*time.Millisecond, "abort mode: mean time between aborts (uniform in [x/2, 3x/2])")
 	flag.BoolVar(&c.twoProcess, "two-process", false, "abort mode: run the initiator (prefill) as a child process")
 	flag.StringVar(&c.clusterSecret, "cluster-secret-file", "", "engines authenticate with this cluster secret (auth mode: a temporary one when empty)")
@@ -134,16 +139,18 @@ func main() {
 
 // modes are the --mode values and what runs each.
 var modes = map[string]func(config) error{
-	"target":       runTarget,
-	"initiator":    func(c config) error { return runInitiator(c, nil) },
-	"loopback":     runLoopback,
-	"raw-tcp":      runRawTCP,
-	"abort":        runAbort,
-	"fence":        runFence,
-	"auth":         runAuthCompare,
-	"pingpong":     runPingPong,
-	"samehost":     runSameHost,
-	"metrics-cost": runMetricsCost,
+	"target":        runTarget,
+	"initiator":     func(c config) error { return runInitiator(c, nil) },
+	"loopback":      runLoopback,
+	"raw-tcp":       runRawTCP,
+	"abort":         runAbort,
+	"fence":         runFence,
+	"auth":          runAuthCompare,
+	"pingpong":      runPingPong,
+	"peers":         runPeers,
+	"peers-subject": runPeersSubject,
+	"samehost":      runSameHost,
+	"metrics-cost":  runMetricsCost,
 	// pong-server is pingpong mode's raw TCP peer process.
 	"pong-server": runPongServer,
 }
