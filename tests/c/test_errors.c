@@ -100,6 +100,10 @@ static void test_options(void) {
     EXPECT_ERR(kvf_engine_create(&o, &e), KVF_ERR_INVALID, "port 70000");
     kvf_engine_options_init(&o);
     o.flags = KVF_ENGINE_IGNORE_ENV;
+    o.metadata = "redis://127.0.0.1:6379";
+    EXPECT_ERR(kvf_engine_create(&o, &e), KVF_ERR_INVALID, "etcd://host:port");
+    kvf_engine_options_init(&o);
+    o.flags = KVF_ENGINE_IGNORE_ENV;
     o.protocol = "rdma";
     if (access("/sys/class/infiniband_verbs/uverbs0", F_OK) == 0) {
         /* A machine with an RDMA device: forced rdma works there. */
