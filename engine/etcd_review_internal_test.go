@@ -129,8 +129,8 @@ func TestReviewForgedStoreFenceEpochDoesNotFailTheNextTransfer(t *testing.T) {
 	}
 }
 
-// FINDING (fails on current code). The owner is fenced while the store
-// says nothing; then a stale store entry (same address, higher Epoch but an
+// REGRESSION (passes: Learn only raises the epoch). The owner is fenced
+// while the store says nothing; then a stale store entry (same address, higher Epoch but an
 // older FenceEpoch, e.g. an entry re-put from a descriptor built before
 // the fence) must not make the initiator lose the fence: a transfer into
 // the fenced range planned after the fence must pass (promise 7, normal
