@@ -81,13 +81,15 @@ func (e *Engine) descriptorChanged() {
 	}
 }
 
-// onMetadata takes a change of another engine's entry in the store. A new
-// incarnation of an open segment (its tcp address changed) or registrations
-// newer than ours are taken at once, so that paths to a restarted peer are
-// cut now rather than when they fail; what is older than our copy is
-// ignored (the store may lag what the peer told us). An entry that went
-// (the engine closed, or its lease ran out) makes the next heartbeat ping
-// the segment however idle it is.
+// onMetadata takes a change of another engine's entry in the store as a
+// hint, never as a descriptor for an open segment: whoever can write to the
+// store could otherwise point our paths elsewhere or make us stamp
+// transfers with a fence epoch the owner never issued. An entry that names
+// a new incarnation (its tcp address changed) or registrations newer than
+// ours makes us ask the segment itself now, in the background, so that
+// paths to a restarted peer are cut before they fail; what is older than
+// our copy is ignored. An entry that went (the engine closed, or its lease
+// ran out) makes the next heartbeat ping the segment however idle it is.
 func (e *Engine) onMetadata(name string, d *control.Descriptor, deleted bool) {
 	if e.closing.Load() || name == e.Name() {
 		return
@@ -112,13 +114,15 @@ func (e *Engine) onMetadata(name string, d *control.Descriptor, deleted bool) {
 		return
 	}
 	// One fetch at a time; when one is under way it brings news anyway.
-	select {
-	case s.refreshing <- struct{}{}:
-	default:
+	if len(s.refreshing) > 0 || !e.startBackground() {
 		return
 	}
-	defer func() { <-s.refreshing }()
-	if err := s.apply(d); err != nil {
-		e.log.Debug("kvferry: metadata store: ignored a peer's entry", "segment", name, "err", err)
-	}
+	go func() {
+		defer e.bg.Done()
+		ctx, cancel := context.WithTimeout(e.closeCtx, max(2*e.opts.HeartbeatInterval, 2*time.Second))
+		defer cancel()
+		if err := s.refresh(ctx); err != nil {
+			e.log.Debug("kvferry: metadata store: a peer's entry changed, but the peer did not answer", "segment", name, "err", err)
+		}
+	}()
 }

@@ -1,7 +1,9 @@
 package engine
 
 // Hostile review of the etcd metadata store and the idle-peer work.
-// See each test for whether it passes on the code it was written against.
+// Each test is kept as a regression test; FINDING marks those that failed
+// before the fixes (store entries are hints for open segments, our own entry
+// is written again when someone else deletes or overwrites it).
 
 import (
 	"context"
@@ -70,7 +72,7 @@ func reviewPair(t *testing.T, prefix string) (srv *etcdtest.Server, owner, init 
 	return
 }
 
-// FINDING (fails on current code). An entry for a live, unchanged owner's
+// FINDING (failed before the fix). An entry for a live, unchanged owner's
 // name whose tcp address differs (written by anyone who can write to etcd,
 // or an earlier incarnation's value replayed by a watch that resumes from
 // an old revision) is taken by onMetadata as a restart: the initiator cuts
@@ -105,7 +107,7 @@ func TestReviewForgedStoreEntryCannotRedirectAnOpenSegment(t *testing.T) {
 	}
 }
 
-// FINDING (fails on current code). An entry for the owner's name, same
+// FINDING (failed before the fix). An entry for the owner's name, same
 // address, higher Epoch and a FenceEpoch the owner never issued: the watch
 // applies it (s.fences.Learn(d.FenceEpoch)), so the next transfer is
 // stamped above the owner's epoch and refused (fenced: "a stamp the owner
@@ -156,7 +158,7 @@ func TestReviewFenceThenOlderStoreEntryNextTransferPasses(t *testing.T) {
 	}
 }
 
-// FINDING (fails on current code). Our own entry deleted from the store
+// FINDING (failed before the fix). Our own entry deleted from the store
 // (etcdctl del --prefix by an operator, a compaction script, a forged
 // delete) is never written again while the lease lives: keep only
 // republishes on Changed or a lost lease, and the watch ignores our own

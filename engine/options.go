@@ -294,7 +294,8 @@ type Options struct {
 	// nothing submitted for that long is pinged: idle peers cost little
 	// heartbeat traffic however many there are. Peers in use are pinged
 	// every HeartbeatInterval. 15 s when zero; never below
-	// HeartbeatInterval.
+	// HeartbeatInterval, nor above 60 s (the pings keep our control
+	// connection, over which the owner tells us of its fences, open).
 	IdleHeartbeatInterval time.Duration
 	// IgnoreEnv makes New skip the KVFERRY_* variables.
 	IgnoreEnv bool
@@ -557,7 +558,10 @@ func (o *Options) fill() error {
 		o.IdlePaths = 0
 	}
 	def(&o.IdleHeartbeatInterval, 15*time.Second)
-	o.IdleHeartbeatInterval = max(o.IdleHeartbeatInterval, o.HeartbeatInterval)
+	// An owner tells of its fences only the planners whose control
+	// connection is up, and ours to a peer closes after two idle minutes:
+	// idle pings keep it up.
+	o.IdleHeartbeatInterval = min(max(o.IdleHeartbeatInterval, o.HeartbeatInterval), time.Minute)
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: o.LogLevel})).With("lib", "kvferry")
 	}

@@ -56,7 +56,8 @@ func runPeers(c config) error {
 	fmt.Printf("subject: one engine in a process of its own; each peer an engine of this process. Columns:\n" +
 		"  RSS, fds, threads: /proc/<subject>/status and fd; goroutines: runtime.NumGoroutine in the subject;\n" +
 		"  B/s in use, idle: bytes the subject's read and write system calls moved per second (/proc/<subject>/io\n" +
-		"  rchar+wchar) in a window with no transfer, right after the transfers and after IdleHeartbeatInterval;\n" +
+		"  rchar+wchar) in a window with no transfer, right after the transfers (--idle s) and after IdleHeartbeatInterval\n" +
+		"  (for IdleHeartbeatInterval + 1 s at least);\n" +
 		"  fds idle: at the end of the idle window (paths idle past PathIdleTimeout are closed by then);\n" +
 		"  per peer: (value at N - value with no peer) / N.\n\n")
 	fmt.Printf("%6s %9s %9s %6s %8s %7s %6s %8s %10s %9s %10s %9s %9s\n", "peers", "RSS MiB", "KiB/peer", "fds", "fds/peer", "threads",
@@ -222,7 +223,10 @@ func measurePeers(c config, n int, window, idleAfter time.Duration) (peerPoint, 
 	if wait := time.Until(used.Add(idleAfter + 2*time.Second)); wait > 0 {
 		time.Sleep(wait) // the engines' idle threshold is a time: waiting it out is what is measured
 	}
-	if pt.idleBps, err = ioRate(cmd.Process.Pid, window); err != nil {
+	// Idle segments are pinged once per IdleHeartbeatInterval, all at
+	// about the same moment here (they went idle together): a shorter
+	// window would catch or miss those bursts by chance.
+	if pt.idleBps, err = ioRate(cmd.Process.Pid, max(window, idleAfter+time.Second)); err != nil {
 		return pt, err
 	}
 	if pt.idleFDs, err = countFDs(cmd.Process.Pid); err != nil {

@@ -99,6 +99,9 @@ type Etcd struct {
 
 	kick      chan struct{}
 	lease     atomic.Int64
+	own       atomic.Pointer[string] // the name Publish keeps, once called
+
+	lastMalformedLog atomic.Int64 // UnixNano of the last malformed-entry warning
 	watchOnce sync.Once
 
 	publishes, publishFailures, leasesLost, watchEvents, malformed atomic.Uint64
@@ -195,13 +198,17 @@ func (s *Etcd) Publish(ctx context.Context, name string, current func() *control
 	if err != nil {
 		return fmt.Errorf("%s: publish segment %q: %w", s.where(), name, err)
 	}
+	s.own.Store(&name)
 	s.wg.Add(1)
 	go s.keep(name, current, lease)
 	return nil
 }
 
-// Changed says the descriptor changed: it is written again soon. It never
-// blocks.
+// changeDelay is how long a change waits for others before it is written.
+const changeDelay = 50 * time.Millisecond
+
+// Changed says the descriptor changed: it is written again within about
+// changeDelay. It never blocks.
 func (s *Etcd) Changed() {
 	select {
 	case s.kick <- struct{}{}:
@@ -279,6 +286,17 @@ func (s *Etcd) keep(name string, current func() *control.Descriptor, lease clien
 			return
 		case <-s.kick:
 			dirty = true
+			// Registrations come in bursts (a model's layers, one
+			// after another): one write for the burst, not one each.
+			select {
+			case <-s.ctx.Done():
+				return
+			case <-time.After(changeDelay):
+			}
+			select {
+			case <-s.kick:
+			default:
+			}
 		case <-retry.C:
 		case _, ok := <-alive:
 			if !ok {
@@ -312,6 +330,17 @@ func (s *Etcd) watch(fn func(name string, d *control.Descriptor, deleted bool)) 
 	defer s.wg.Done()
 	var rev int64
 	for s.ctx.Err() == nil {
+		if rev > 0 {
+			// A store that lost its data (a member rebuilt) counts
+			// revisions from 1 again: watching from our old revision
+			// would wait for a future that never brings our events.
+			ctx, cancel := context.WithTimeout(s.ctx, s.cfg.OpTimeout)
+			cur, err := s.cli.Get(ctx, s.keys, clientv3.WithPrefix(), clientv3.WithCountOnly())
+			cancel()
+			if err == nil && cur.Header.Revision < rev {
+				rev = 0
+			}
+		}
 		opts := []clientv3.OpOption{clientv3.WithPrefix()}
 		if rev > 0 {
 			opts = append(opts, clientv3.WithRev(rev+1))
@@ -329,6 +358,17 @@ func (s *Etcd) watch(fn func(name string, d *control.Descriptor, deleted bool)) 
 			for _, ev := range resp.Events {
 				name := strings.TrimPrefix(string(ev.Kv.Key), s.keys)
 				s.watchEvents.Add(1)
+				if own := s.own.Load(); own != nil && name == *own {
+					// Our entry was deleted or overwritten by someone
+					// else (an operator, a stale writer): ours is
+					// written again. Our own writes come back here too;
+					// writing them again costs one put, and the kick
+					// channel folds bursts.
+					if ev.Type == clientv3.EventTypeDelete || ev.Kv.Lease != s.lease.Load() {
+						s.Changed()
+					}
+					continue
+				}
 				if ev.Type == clientv3.EventTypeDelete {
 					fn(name, nil, true)
 					continue
@@ -339,7 +379,13 @@ func (s *Etcd) watch(fn func(name string, d *control.Descriptor, deleted bool)) 
 					fn(name, nil, false)
 				case err != nil || stored != name:
 					s.malformed.Add(1)
-					s.log.Warn("kvferry: metadata store: ignored a malformed entry", "store", s.where(), "key", string(ev.Kv.Key), "err", err)
+					// Whoever writes garbage under the prefix must not
+					// fill every engine's log: one line per 10 s.
+					if now := time.Now().UnixNano(); now-s.lastMalformedLog.Load() >= int64(10*time.Second) {
+						s.lastMalformedLog.Store(now)
+						s.log.Warn("kvferry: metadata store: ignored a malformed entry (more are counted, not logged, for 10 s)",
+							"store", s.where(), "key", string(ev.Kv.Key), "malformed_so_far", s.malformed.Load(), "err", err)
+					}
 				default:
 					fn(name, d, false)
 				}
