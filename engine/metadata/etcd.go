@@ -97,12 +97,12 @@ type Etcd struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
-	kick      chan struct{}
-	lease     atomic.Int64
-	own       atomic.Pointer[string] // the name Publish keeps, once called
+	kick  chan struct{}
+	lease atomic.Int64
+	own   atomic.Pointer[string] // the name Publish keeps, once called
 
 	lastMalformedLog atomic.Int64 // UnixNano of the last malformed-entry warning
-	watchOnce sync.Once
+	watchOnce        sync.Once
 
 	publishes, publishFailures, leasesLost, watchEvents, malformed atomic.Uint64
 }
