@@ -345,3 +345,53 @@ func (o *LineWriter) Printf(format string, args ...any) {
 	fmt.Fprintf(o.w, format+"\n", args...)
 	_ = o.w.Flush()
 }
+
+// StartJanitor runs the test binary again as a janitor: a child, in a
+// process group of its own (a Ctrl-C that ends the test must not end it
+// before it cleaned up), that says "ready" once it is set up and cleans up
+// when its stdin ends, which happens when stop is called or this process
+// dies, however. env is added to this process's environment for it (the
+// role its TestMain reads). It is not tied to a testing.TB: TestMain
+// starts it, before any test.
+func StartJanitor(env ...string) (stop func(), err error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(exe, "-test.run=^$")
+	cmd.Env = append(os.Environ(), env...)
+	cmd.Stderr = os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	ready := make(chan string, 1)
+	go func() {
+		l, _ := bufio.NewReader(out).ReadString('\n')
+		ready <- l
+	}()
+	select {
+	case l := <-ready:
+		if l != "ready\n" {
+			_ = in.Close()
+			_ = cmd.Wait()
+			return nil, fmt.Errorf("janitor said %q", l)
+		}
+	case <-time.After(30 * time.Second):
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		return nil, fmt.Errorf("janitor not ready within 30s")
+	}
+	return func() {
+		_ = in.Close()
+		_ = cmd.Wait()
+	}, nil
+}

@@ -1,7 +1,6 @@
 package cluster
 
 import (
-	"bufio"
 	"fmt"
 	"io"
 	"net"
@@ -14,6 +13,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kvferry/kvferry/engine/metadata/etcdtest"
+	"github.com/kvferry/kvferry/internal/childproc"
 )
 
 // Environment of the test and of the processes it starts.
@@ -65,14 +67,19 @@ func missingTools() string {
 		return fmt.Sprintf("needs root to create network namespaces and packet filters (running as uid %d)", uid)
 	}
 	var missing []string
-	for _, tool := range []string{"ip", "nft", "tc", etcdBin} {
+	for _, tool := range []string{"ip", "nft", "tc"} {
 		if _, err := exec.LookPath(tool); err != nil {
 			missing = append(missing, tool)
 		}
 	}
 	if len(missing) > 0 {
-		return fmt.Sprintf("needs %s (iproute2, nftables, etcd)", strings.Join(missing, ", "))
+		return fmt.Sprintf("needs %s (iproute2, nftables)", strings.Join(missing, ", "))
 	}
+	bin, err := etcdtest.Binary()
+	if err != nil {
+		return "needs " + err.Error()
+	}
+	etcdBin = bin
 	return ""
 }
 
@@ -134,48 +141,7 @@ func removeRun(prefix string) {
 // it went: its stdin, a pipe only we hold, then reads EOF. stop closes the
 // pipe and waits for it.
 func startJanitor(prefix, dir string) (stop func(), err error) {
-	exe, err := os.Executable()
-	if err != nil {
-		return nil, err
-	}
-	cmd := exec.Command(exe, "-test.run=^$")
-	cmd.Env = append(os.Environ(), roleEnv+"=janitor", prefixEnv+"="+prefix, dirEnv+"="+dir)
-	cmd.Stderr = os.Stderr
-	// Its own process group: a Ctrl-C that ends the test must not end it
-	// before it cleaned up.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	in, err := cmd.StdinPipe()
-	if err != nil {
-		return nil, err
-	}
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
-		return nil, err
-	}
-	ready := make(chan string, 1)
-	go func() {
-		l, _ := bufio.NewReader(out).ReadString('\n')
-		ready <- l
-	}()
-	select {
-	case l := <-ready:
-		if strings.TrimSpace(l) != "ready" {
-			_ = in.Close()
-			_ = cmd.Wait()
-			return nil, fmt.Errorf("janitor said %q", l)
-		}
-	case <-time.After(30 * time.Second):
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-		return nil, fmt.Errorf("janitor not ready within 30s")
-	}
-	return func() {
-		_ = in.Close()
-		_ = cmd.Wait()
-	}, nil
+	return childproc.StartJanitor(roleEnv+"=janitor", prefixEnv+"="+prefix, dirEnv+"="+dir)
 }
 
 func runJanitor() int {

@@ -17,11 +17,13 @@ import (
 )
 
 const (
-	etcdBin  = "/usr/bin/etcd"
 	nodePort = 7000
 	etcdPort = 2379
 	pageSize = 256 << 10
 )
+
+// etcdBin is the etcd server the meta host runs (etcdtest.Binary).
+var etcdBin string
 
 // topo is the simulated cluster: its namespaces, addresses and processes.
 type topo struct {

@@ -1,7 +1,6 @@
 package netfault
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
 	"io"
@@ -12,7 +11,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
+
+	"github.com/kvferry/kvferry/internal/childproc"
 )
 
 // Environment of the suite and of the processes it starts.
@@ -162,48 +162,7 @@ func runInNamespace() (int, error) {
 // (its stdin, a pipe only we hold, then reads EOF). stop closes the pipe
 // and waits for it.
 func startJanitor() (stop func(), err error) {
-	exe, err := os.Executable()
-	if err != nil {
-		return nil, err
-	}
-	cmd := exec.Command(exe, "-test.run=^$")
-	cmd.Env = append(os.Environ(), roleEnv+"=janitor")
-	cmd.Stderr = os.Stderr
-	// Its own process group: a Ctrl-C that ends the tests must not end it
-	// before it cleaned up.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	in, err := cmd.StdinPipe()
-	if err != nil {
-		return nil, err
-	}
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	if err := cmd.Start(); err != nil {
-		return nil, err
-	}
-	ready := make(chan string, 1)
-	go func() {
-		l, _ := bufio.NewReader(out).ReadString('\n')
-		ready <- l
-	}()
-	select {
-	case l := <-ready:
-		if strings.TrimSpace(l) != "ready" {
-			_ = in.Close()
-			_ = cmd.Wait()
-			return nil, fmt.Errorf("janitor said %q", l)
-		}
-	case <-time.After(30 * time.Second):
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-		return nil, errors.New("janitor not ready within 30s")
-	}
-	return func() {
-		_ = in.Close()
-		_ = cmd.Wait()
-	}, nil
+	return childproc.StartJanitor(roleEnv + "=janitor")
 }
 
 // runJanitor waits for its stdin to end, then removes the suite's faults.

@@ -21,8 +21,8 @@ import (
 	"time"
 )
 
-// Binary finds the etcd server: $KVFERRY_ETCD, else etcd on PATH, else
-// Debian's /usr/bin/etcd.
+// Binary finds the etcd server: $KVFERRY_ETCD, else etcd on PATH (Debian's
+// etcd-server package puts it at /usr/bin/etcd).
 func Binary() (string, error) {
 	if p := os.Getenv("KVFERRY_ETCD"); p != "" {
 		return p, nil
