@@ -100,6 +100,7 @@ fuzz-short:
 	$(GO) test ./cmd/kvferry -run='^$$' -fuzz='^FuzzTopRender$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/metadata -run='^$$' -fuzz='^FuzzDecodeValue$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 	$(GO) test ./engine/metadata -run='^$$' -fuzz='^FuzzParseURL$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
+	$(GO) test ./engine/kvcodec -run='^$$' -fuzz='^FuzzDecode$$' -fuzztime=$(FUZZTIME) -fuzzminimizetime=1s
 
 # Throughput against the raw-tcp baseline of the same run, and Go benchmarks.
 bench: build
