@@ -220,17 +220,42 @@ func (e *Encoder) chunk(dst, p []byte) []byte {
 }
 
 // split writes the low and high bytes of src's 2-byte little-endian
-// elements into lo and hi.
+// elements into lo and hi, eight elements a step.
 func split(lo, hi, src []byte) {
-	for i := range lo {
+	i := 0
+	for ; i+8 <= len(lo); i += 8 {
+		a := binary.LittleEndian.Uint64(src[2*i:])
+		b := binary.LittleEndian.Uint64(src[2*i+8:])
+		binary.LittleEndian.PutUint64(lo[i:], pack4(a)|pack4(b)<<32)
+		binary.LittleEndian.PutUint64(hi[i:], pack4(a>>8)|pack4(b>>8)<<32)
+	}
+	for ; i < len(lo); i++ {
 		lo[i] = src[2*i]
 		hi[i] = src[2*i+1]
 	}
 }
 
+// pack4 gathers the bytes at bits 0, 16, 32 and 48 of x into its low 32
+// bits.
+func pack4(x uint64) uint64 {
+	return x&0xff | x>>8&0xff00 | x>>16&0xff0000 | x>>24&0xff000000
+}
+
+// spread4 is pack4's inverse: x's four low bytes to bits 0, 16, 32, 48.
+func spread4(x uint64) uint64 {
+	return x&0xff | (x&0xff00)<<8 | (x&0xff0000)<<16 | (x&0xff000000)<<24
+}
+
 // join is split's inverse.
 func join(dst, lo, hi []byte) {
-	for i := range lo {
+	i := 0
+	for ; i+8 <= len(lo); i += 8 {
+		l := binary.LittleEndian.Uint64(lo[i:])
+		h := binary.LittleEndian.Uint64(hi[i:])
+		binary.LittleEndian.PutUint64(dst[2*i:], spread4(l)|spread4(h)<<8)
+		binary.LittleEndian.PutUint64(dst[2*i+8:], spread4(l>>32)|spread4(h>>32)<<8)
+	}
+	for ; i < len(lo); i++ {
 		dst[2*i] = lo[i]
 		dst[2*i+1] = hi[i]
 	}

@@ -186,3 +186,21 @@ func BenchmarkCodecs(b *testing.B) {
 		}
 	}
 }
+
+func TestSplitJoin(t *testing.T) {
+	for _, n := range []int{0, 2, 14, 16, 18, 30, 32, 1000, 4098} {
+		src := kvLike(n, uint64(n))
+		lo, hi := make([]byte, n/2), make([]byte, n/2)
+		split(lo, hi, src)
+		for i := range lo {
+			if lo[i] != src[2*i] || hi[i] != src[2*i+1] {
+				t.Fatalf("n %d: element %d split as %02x %02x, want %02x %02x", n, i, lo[i], hi[i], src[2*i], src[2*i+1])
+			}
+		}
+		back := make([]byte, n)
+		join(back, lo, hi)
+		if !bytes.Equal(back, src) {
+			t.Fatalf("n %d: join(split(x)) != x", n)
+		}
+	}
+}
