@@ -34,6 +34,11 @@ type phase struct {
 	bytesMoved, bytesVerif uint64
 	failed, expected       int
 	byUs, byFault          int // the expected failures: of requests we aborted or fenced, of requests a fault touched
+	// lateNotice counts failures refused as fenced from a prefill that had
+	// not acknowledged an earlier fence of that decode within FenceGrace:
+	// its first transfer planned under the old epoch is refused, as
+	// documented (FenceResult.Told/Acked), and it learns the epoch then.
+	lateNotice             int
 	unexpected             []string
 	aborts, abortsSafe     int
 	fences, fencesSafe     int
@@ -62,7 +67,8 @@ type driver struct {
 	rid atomic.Uint64
 
 	mu       sync.Mutex
-	faulted  map[*host]int // faults in progress on each host (until its recovery was seen)
+	late     map[[2]string]bool // (decode, prefill): a fence of the decode the prefill did not acknowledge in time
+	faulted  map[*host]int      // faults in progress on each host (until its recovery was seen)
 	down     map[*host]bool
 	cur      *phase
 	phases   []*phase
@@ -226,7 +232,27 @@ func (d *driver) abort(dec, p *host, rid uint64, how string) (bool, string, erro
 		return false, "", err
 	}
 	f := strings.Fields(l)
+	for _, x := range f {
+		if names, ok := strings.CutPrefix(x, "unacked="); ok && names != "" {
+			d.mu.Lock()
+			for _, n := range strings.Split(names, ",") {
+				d.late[[2]string{dec.seg(), n}] = true
+			}
+			d.mu.Unlock()
+		}
+	}
 	return len(f) >= 3 && f[2] == "safe", l, nil
+}
+
+// takeLate reports, and forgets, that p had not acknowledged a fence of
+// dec in time.
+func (d *driver) takeLate(dec, p *host) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	k := [2]string{dec.seg(), p.seg()}
+	late := d.late[k]
+	delete(d.late, k)
+	return late
 }
 
 // request runs one request from p to dec and counts it in the current phase.
@@ -336,8 +362,11 @@ func (d *driver) request(rng *rand.Rand, p, dec *host) {
 		}
 		return
 	}
-	// Failed: expected when a fault touches either end, then or now.
+	// Failed: expected when a fault touches either end, then or now, or
+	// when it was refused as fenced after the prefill missed a fence
+	// notice's grace.
 	faulted = faulted || d.isFaulted(p, dec)
+	late := r.err == nil && r.a.kind == "fenced" && d.takeLate(dec, p)
 	why := shortErr(r.err)
 	kind := "driver"
 	if r.err == nil {
@@ -349,10 +378,14 @@ func (d *driver) request(rng *rand.Rand, p, dec *host) {
 	ph.add(func(ph *phase) {
 		ph.failed++
 		ph.failKinds[kind]++
-		if faulted {
+		switch {
+		case faulted:
 			ph.expected++
 			ph.byFault++
-		} else {
+		case late:
+			ph.expected++
+			ph.lateNotice++
+		default:
 			ph.unexpected = append(ph.unexpected, fmt.Sprintf("rid %d (%s -> %s, started %s): %s",
 				rid, p.name(), dec.name(), start.Format("15:04:05.000"), why))
 		}

@@ -30,6 +30,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -275,6 +276,7 @@ func (n *node) abort(rid uint64, how, initiator string) {
 	var safe bool
 	var reason error
 	var err error
+	var unacked []string // planners told of the fence that did not acknowledge it within FenceGrace
 	if how == "fence" {
 		ranges := make([]engine.FenceRange, len(pages))
 		for i, p := range pages {
@@ -283,6 +285,11 @@ func (n *node) abort(rid uint64, how, initiator string) {
 		var res engine.FenceResult
 		res, err = n.e.Fence(ctx, ranges)
 		safe, reason = res.Safe, res.Reason
+		for _, told := range res.Told {
+			if !slices.Contains(res.Acked, told) {
+				unacked = append(unacked, told)
+			}
+		}
 	} else {
 		var res engine.AbortResult
 		res, err = n.e.Abort(ctx, rid, []string{initiator})
@@ -298,8 +305,10 @@ func (n *node) abort(rid uint64, how, initiator string) {
 		n.mu.Lock()
 		n.how[rid] = how + " Safe after " + time.Since(start).String()
 		n.mu.Unlock()
+		// Said before the pages go back: the driver learns which
+		// prefills missed the notice before any of them is written again.
+		n.say("abort %d safe %d unacked=%s", rid, ms, strings.Join(unacked, ","))
 		n.release(rid)
-		n.say("abort %d safe %d", rid, ms)
 	}
 }
 
