@@ -7,7 +7,7 @@
 //	kvferry-bench --mode auth --duration 2
 //	kvferry-bench --mode pingpong --block-size 4096 --duration 6
 //	kvferry-bench --mode samehost --duration 12
-//	kvferry-bench --mode peers --peers 2,8,32,128,256 --idle 5
+//	kvferry-bench --mode peers --peers 2,8,32,128,256 --idle 10
 //	kvferry-bench --mode loopback --duration 20 --metrics-addr 127.0.0.1:9400
 //	kvferry-bench --mode metrics-cost --protocol tcp --block-size 65536 --duration 2 --buffer-size 67108864
 //
@@ -55,7 +55,7 @@ type config struct {
 	metricsOff                       bool          // --metrics off: no per-task counting
 	rounds                           int           // metrics-cost mode: rounds of each setting
 	peerCounts                       string        // peers mode: the peer counts measured
-	peerWindow                       float64       // peers mode: seconds of each traffic window
+	peerWindow                       float64       // peers mode: seconds of the in-use traffic window
 	progressEvery                    time.Duration // a progress line this often (0: every 5 s from 10 s runs)
 	// ready and gate line up runs that are timed side by side: each calls
 	// ready once set up, then starts its timed loop when gate closes.
@@ -80,7 +80,7 @@ func main() {
 	flag.Uint64Var(&c.seed, "seed", 1, "data pattern seed (target and initiator must agree)")
 	flag.Float64Var(&c.rate, "rate", 1000, "abort mode: background WRITE rate to aim at, MB/s (1e6 bytes)")
 	flag.StringVar(&c.peerCounts, "peers", "2,8,32,128,256", "peers mode: peer counts to measure, comma-separated")
-	flag.Float64Var(&c.peerWindow, "idle", 5, "peers mode: seconds of each window in which background traffic is measured")
+	flag.Float64Var(&c.peerWindow, "idle", 10, "peers mode: seconds of the window, right after the transfers, in which background traffic to peers in use is measured (whole heartbeat intervals; the idle window is one IdleHeartbeatInterval)")
 	flag.DurationVar(&c.abortEvery, "abort-interval", 10*time.Millisecond, "abort mode: mean time between aborts (uniform in [x/2, 3x/2])")
 	flag.BoolVar(&c.twoProcess, "two-process", false, "abort mode: run the initiator (prefill) as a child process")
 	flag.StringVar(&c.clusterSecret, "cluster-secret-file", "", "engines authenticate with this cluster secret (auth mode: a temporary one when empty)")
@@ -157,7 +157,7 @@ var modes = map[string]func(config) error{
 
 func (c *config) check() error {
 	if _, ok := modes[c.mode]; !ok {
-		return fmt.Errorf("--mode %q: want target, initiator, loopback, raw-tcp, abort, fence, auth, pingpong, samehost or metrics-cost", c.mode)
+		return fmt.Errorf("--mode %q: want target, initiator, loopback, raw-tcp, abort, fence, auth, pingpong, samehost, peers or metrics-cost", c.mode)
 	}
 	if c.op != "write" && c.op != "read" {
 		return fmt.Errorf("--op %q: want write or read", c.op)
