@@ -31,6 +31,7 @@ import (
 	"github.com/kvferry/kvferry/engine/control"
 	"github.com/kvferry/kvferry/engine/fence"
 	"github.com/kvferry/kvferry/engine/internal/bounded"
+	"github.com/kvferry/kvferry/engine/kvcodec"
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/metadata"
 	"github.com/kvferry/kvferry/engine/requests"
@@ -233,7 +234,17 @@ func New(opts Options) (*Engine, error) {
 	if !opts.MetricsOff {
 		e.metrics = newEngineMetrics(plane.Name(), opts.MetricsPeers)
 	}
+	var compressor *kvcodec.Encoder
+	if c := opts.Compression; c != "" && c != "off" {
+		codec, _ := kvcodec.ParseCodec(c) // fill checked it
+		if compressor, err = kvcodec.NewEncoder(codec); err != nil {
+			e.cancel()
+			_ = plane.Close()
+			return nil, fmt.Errorf("kvferry: compression %s: %w", c, err)
+		}
+	}
 	e.tcp = tcp.New(tcp.Options{
+		Compressor: compressor, CompressMin: compressMin,
 		ListenHost: hosts.bind, IOTimeout: opts.IOTimeout, Auth: authority, AdvertiseHost: hosts.dataHost, Logger: e.log, ApplyDelay: opts.Testing.ApplyDelay,
 		MaxConnsPerPeer: opts.TCPMaxConnsPerPeer, MaxConns: opts.TCPMaxConns, IdleTimeout: opts.TCPIdleTimeout,
 		FrameTimeout: opts.TCPFrameTimeout, MinRate: opts.TCPMinRate,
@@ -290,6 +301,10 @@ func New(opts Options) (*Engine, error) {
 	e.log.Debug("kvferry: engine started", "segment", e.Name(), "tcp", tcpAddr)
 	return e, nil
 }
+
+// compressMin is the smallest WRITE compressed (Options.Compression):
+// below it the block's headers and the codec's setup eat the gain.
+const compressMin = 16 << 10
 
 // Name is the engine's segment name, "host:port" ("[::1]:port" for IPv6).
 func (e *Engine) Name() string { return e.plane.Name() }

@@ -61,6 +61,7 @@ import (
 //	PathIdleTimeout    KVFERRY_PATH_IDLE_MS         60000 (paths to a peer unused this long are closed)
 //	IdlePaths          KVFERRY_IDLE_PATHS           256 (paths kept open to peers with nothing in flight; least recently used closed first)
 //	IdleHeartbeatInterval KVFERRY_IDLE_HEARTBEAT_MS 15000 (how often a peer unused for that long is pinged)
+//	Compression        KVFERRY_COMPRESSION          off (huff0, s2 or zstd: compress tcp WRITEs to owners that take them)
 type Options struct {
 	// Host is the address the control plane and the data plane listen
 	// on, and the host part of the segment name. An IPv6 address is given
@@ -297,6 +298,16 @@ type Options struct {
 	// HeartbeatInterval, nor above 60 s (the pings keep our control
 	// connection, over which the owner tells us of its fences, open).
 	IdleHeartbeatInterval time.Duration
+	// Compression compresses the WRITEs this engine sends over tcp (never
+	// rdma or shm) with a KV-cache codec (engine/kvcodec: 2-byte elements
+	// split into byte planes): "huff0" (the planes entropy-coded; what
+	// bf16 and fp16 caches shrink with), "s2" or "zstd" (for data with
+	// repeated strings). Only slices of at least 16 KiB in host memory,
+	// only to owners that say they take compressed WRITEs, and only when
+	// the block comes out smaller. Owners always take them. It pays on
+	// links slower than the codec (about 1 GB/s a core for huff0); on a
+	// fast link it costs throughput. "off" (or empty): none.
+	Compression string
 	// IgnoreEnv makes New skip the KVFERRY_* variables.
 	IgnoreEnv bool
 	// Testing holds switches for tests only; never set them in production.
@@ -371,6 +382,7 @@ func (o *Options) applyEnv() error {
 	str("KVFERRY_CUDA_LIBRARY", &o.CUDALibrary)
 	str("KVFERRY_METRICS_ADDR", &o.MetricsAddr)
 	str("KVFERRY_METADATA", &o.Metadata)
+	str("KVFERRY_COMPRESSION", &o.Compression)
 	if v, ok := os.LookupEnv("KVFERRY_METRICS"); ok && v != "" {
 		switch v {
 		case "0":
@@ -556,6 +568,11 @@ func (o *Options) fill() error {
 	}
 	if o.IdlePaths == -1 {
 		o.IdlePaths = 0
+	}
+	switch o.Compression {
+	case "", "off", "huff0", "s2", "zstd":
+	default:
+		return fmt.Errorf("compression %q: want off, huff0, s2 or zstd", o.Compression)
 	}
 	def(&o.IdleHeartbeatInterval, 15*time.Second)
 	// An owner tells of its fences only the planners whose control

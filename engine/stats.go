@@ -43,6 +43,16 @@ type Stats struct {
 	AcceptErrors  uint64 // failed accepts on the data port (out of file descriptors...); the loop backs off and goes on
 	// TCP paths, as initiator.
 	PathsIdledOut uint64 // our paths an owner closed as idle; their slices it had not read were posted again
+	// Compressed tcp WRITEs (Compression). As initiator: slices sent
+	// compressed, their bytes before and after; as owner: compressed bytes
+	// received, blocks refused for want of decoding room (256 MiB for all
+	// connections) and malformed blocks refused.
+	CompressedSlices    uint64
+	CompressedRawOut    uint64
+	CompressedOut       uint64
+	CompressedIn        uint64
+	CompressedRefused   uint64
+	CompressedMalformed uint64
 	// Peers, as initiator.
 	PathsClosedIdle uint64 // our paths to idle peers we closed (PathIdleTimeout, IdlePaths)
 	OpenPaths       int    // paths to peers open now
@@ -175,7 +185,9 @@ func (e *Engine) Stats() Stats {
 		SHMConns:       sh.Conns, SHMSharedSlices: sh.SharedSlices, SHMAttachSlices: sh.AttachSlices, SHMGPUSlices: sh.GPUSlices,
 		SHMFallbackSlices: sh.FallbackSlices, SHMStopsUnconfirmed: sh.StopsUnconfirmed,
 		DataConns: t.Conns, ConnsRefused: t.RefusedPerPeer + t.RefusedTotal, IdleClosed: t.IdleClosed,
-		FrameTimeouts: t.FrameTimeouts, PathsIdledOut: t.GoAways, PathsClosedIdle: e.stats.pathsClosedIdle.Load(), OpenPaths: e.openPathCount(), Heartbeats: e.stats.heartbeats.Load(), AcceptErrors: t.AcceptErrors,
+		FrameTimeouts: t.FrameTimeouts, PathsIdledOut: t.GoAways, PathsClosedIdle: e.stats.pathsClosedIdle.Load(),
+		CompressedSlices: t.CompressedSlices, CompressedRawOut: t.CompressedRawOut, CompressedOut: t.CompressedOut,
+		CompressedIn: t.CompressedIn, CompressedRefused: t.CompressedRefused, CompressedMalformed: t.CompressedMalformed, OpenPaths: e.openPathCount(), Heartbeats: e.stats.heartbeats.Load(), AcceptErrors: t.AcceptErrors,
 		ControlDropped: c.Malformed + e.stats.controlDropped.Load(), ControlLate: c.Unmatched, Registrations: e.reg.Len(), OpenSegments: nseg,
 		ControlConns: c.Conns, ControlPeers: c.Peers, ControlConnsRefused: c.ConnsRefused, ControlConnsCut: c.ConnsCut,
 		ControlOverBudget: c.OverBudget, ControlSendFails: c.SendFails,

@@ -8,6 +8,7 @@
 //	kvferry-bench --mode pingpong --block-size 4096 --duration 6
 //	kvferry-bench --mode samehost --duration 12
 //	kvferry-bench --mode peers --peers 2,8,32,128,256 --idle 10
+//	kvferry-bench --mode compress --rates 1gbit,10gbit,none --duration 5
 //	kvferry-bench --mode loopback --duration 20 --metrics-addr 127.0.0.1:9400
 //	kvferry-bench --mode metrics-cost --protocol tcp --block-size 65536 --duration 2 --buffer-size 67108864
 //
@@ -54,6 +55,9 @@ type config struct {
 	metricsAddr                      string        // engines serve their metrics here (--metrics-addr)
 	metricsOff                       bool          // --metrics off: no per-task counting
 	rounds                           int           // metrics-cost mode: rounds of each setting
+	compression                      string        // the engine's Compression
+	data                             string        // "random" or "kv": what the source and target buffers hold
+	shapes                           string        // compress mode: the link rates tried
 	peerCounts                       string        // peers mode: the peer counts measured
 	peerWindow                       float64       // peers mode: seconds of the in-use traffic window
 	progressEvery                    time.Duration // a progress line this often (0: every 5 s from 10 s runs)
@@ -65,7 +69,7 @@ type config struct {
 
 func main() {
 	var c config
-	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp | abort | fence | auth | pingpong | samehost | peers")
+	flag.StringVar(&c.mode, "mode", "loopback", "target | initiator | loopback | raw-tcp | abort | fence | auth | pingpong | samehost | peers | compress")
 	flag.StringVar(&c.proto, "protocol", "", "engines' data-plane protocol: auto, tcp, rdma or shm (empty: auto; KVFERRY_PROTOCOL, when set, overrides it)")
 	flag.StringVar(&c.op, "op", "write", "write | read")
 	flag.StringVar(&c.segment, "segment", "", "the target's segment name host:port (initiator mode; abort mode: be the child of --two-process)")
@@ -79,6 +83,9 @@ func main() {
 	flag.IntVar(&c.pathCount, "paths", 0, "connections per peer (0: --threads)")
 	flag.Uint64Var(&c.seed, "seed", 1, "data pattern seed (target and initiator must agree)")
 	flag.Float64Var(&c.rate, "rate", 1000, "abort mode: background WRITE rate to aim at, MB/s (1e6 bytes)")
+	flag.StringVar(&c.compression, "compression", "", "the engine's Compression: off, huff0, s2 or zstd (tcp WRITEs)")
+	flag.StringVar(&c.data, "data", "random", "buffer contents: random (incompressible) or kv (bf16 values shaped like attention keys and values)")
+	flag.StringVar(&c.shapes, "rates", "1gbit,10gbit,none", "compress mode: link rates (tc tbf) tried; none: unshaped")
 	flag.StringVar(&c.peerCounts, "peers", "2,8,32,128,256", "peers mode: peer counts to measure, comma-separated")
 	flag.Float64Var(&c.peerWindow, "idle", 10, "peers mode: seconds of the window, right after the transfers, in which background traffic to peers in use is measured (whole heartbeat intervals; the idle window is one IdleHeartbeatInterval)")
 	flag.DurationVar(&c.abortEvery, "abort-interval", 10*time.Millisecond, "abort mode: mean time between aborts (uniform in [x/2, 3x/2])")
@@ -119,6 +126,14 @@ func main() {
 		}
 		defer pprof.StopCPUProfile()
 	}
+	switch c.data {
+	case "random":
+	case "kv":
+		kvData = true
+	default:
+		fmt.Fprintln(os.Stderr, "kvferry-bench: --data: want random or kv")
+		os.Exit(2)
+	}
 	c.pathsGiven = c.pathCount != 0
 	if c.pathCount == 0 {
 		c.pathCount = c.threads
@@ -147,6 +162,7 @@ var modes = map[string]func(config) error{
 	"fence":         runFence,
 	"auth":          runAuthCompare,
 	"pingpong":      runPingPong,
+	"compress":      runCompress,
 	"peers":         runPeers,
 	"peers-subject": runPeersSubject,
 	"samehost":      runSameHost,
@@ -182,7 +198,7 @@ func (c *config) check() error {
 
 func (c *config) engineOptions() engine.Options {
 	return engine.Options{Host: c.host, SliceSize: c.sliceSize, PathsPerPeer: c.pathCount, ClusterSecretFile: c.clusterSecret, Protocol: c.proto,
-		MetricsAddr: c.metricsAddr, MetricsOff: c.metricsOff}
+		MetricsAddr: c.metricsAddr, MetricsOff: c.metricsOff, Compression: c.compression}
 }
 
 // newEngine starts an engine with c's options and allocates size bytes of
@@ -203,6 +219,10 @@ func (c *config) newEngine(size int) (*engine.Engine, []byte, error) {
 // fill writes the pattern of seed into b, as it would stand at offset off of
 // the whole buffer, so any slice of it can be checked independently.
 func fill(b []byte, off int, seed uint64) {
+	if kvData {
+		fillKV(b, off, seed)
+		return
+	}
 	for i := 0; i+8 <= len(b); i += 8 {
 		binary.LittleEndian.PutUint64(b[i:], mix(uint64(off+i)^seed))
 	}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine/auth"
+	"github.com/kvferry/kvferry/engine/kvcodec"
 	"github.com/kvferry/kvferry/engine/memory"
 	"github.com/kvferry/kvferry/engine/transport"
 )
@@ -21,6 +22,9 @@ type endpoint struct {
 	conn *net.TCPConn
 	out  *rawConn // used by the sender only
 	in   *rawConn // used by the receiver only
+	// enc compresses WRITEs: set when we compress and the owner said in
+	// HELLO_ACK that it takes WRITE_Z.
+	enc *kvcodec.Encoder
 
 	mu      sync.Mutex
 	queue   []*transport.Slice
@@ -64,7 +68,7 @@ func newEndpoint(t *Transport, conn *net.TCPConn, addr, self string, deadline ti
 			return nil, err
 		}
 	} else {
-		hello := header{typ: frameHello, length: uint32(len(self)), done: helloGoAway}
+		hello := header{typ: frameHello, length: uint32(len(self)), done: helloGoAway | t.helloCompress()}
 		hello.encode(hb[:])
 		if _, _, err := ep.out.writeGuarded(hb[:], []byte(self), nil); err != nil {
 			return nil, err
@@ -82,6 +86,9 @@ func newEndpoint(t *Transport, conn *net.TCPConn, addr, self string, deadline ti
 	}
 	if h.typ != frameHelloAck || h.status != statusOK {
 		return nil, fmt.Errorf("%w: HELLO answered with type %d status %d", errBadFrame, h.typ, h.status)
+	}
+	if h.done&helloCompress != 0 && t.enc != nil {
+		ep.enc = t.enc
 	}
 	_ = conn.SetDeadline(time.Time{})
 	ep.wg.Add(2)
@@ -138,6 +145,7 @@ func (ep *endpoint) send() {
 	iov := make([][]byte, 0, 2*maxGather)
 	user := make([]bool, 0, 2*maxGather) // user[i]: iov[i] is a payload in registered memory
 	group := make([]*transport.Slice, 0, maxGather)
+	var blocks [maxGather][]byte // compressed payloads of the group being written
 	for !ep.dead.Load() {
 		ep.mu.Lock()
 		batch, ep.queue = ep.queue, batch[:0]
@@ -165,7 +173,15 @@ func (ep *endpoint) send() {
 				}
 				hb := hdrs[len(group)][:]
 				ep.pending.Store(ep.seq, s)
-				if s.Op == transport.Write {
+				if block, ok := ep.compress(s, blocks[len(group)][:0]); ok {
+					// The block is ours, not registered memory: no guard
+					// is needed while it is written.
+					blocks[len(group)] = block
+					h.typ, h.length = frameWriteZ, uint32(len(block))
+					h.encode(hb)
+					iov, user = append(iov, hb, block), append(user, false, false)
+					total += len(block)
+				} else if s.Op == transport.Write {
 					h.typ = frameWrite
 					h.encode(hb)
 					reg = s.LocalReg

@@ -42,6 +42,7 @@ type ownerConn struct {
 	remote   string // the peer's address, for logs
 	ip       string // its IP address: the key of its rate-limited warnings
 	goAwayOK bool   // the initiator's HELLO said it understands GOAWAY
+	compress bool   // the initiator's HELLO said it may send WRITE_Z (and we said we take them)
 	lastSeq  uint64 // seq of the last request header read
 
 	// Read deadlines, armed by armRead only when a read is about to wait.
@@ -160,7 +161,12 @@ func (t *Transport) serve(conn *net.TCPConn, peer netip.Addr) {
 	}
 	_ = conn.SetReadDeadline(time.Time{})
 	c.goAwayOK = h.done&helloGoAway != 0
-	c.answer(&header{typ: frameHelloAck, seq: h.seq}, 0)
+	c.compress = h.done&helloCompress != 0
+	ackHello := header{typ: frameHelloAck, seq: h.seq}
+	if c.compress {
+		ackHello.done = helloCompress
+	}
+	c.answer(&ackHello, 0)
 	if err := c.flush(); err != nil {
 		return
 	}
@@ -180,6 +186,9 @@ func (t *Transport) serve(conn *net.TCPConn, peer netip.Addr) {
 		case frameWrite:
 			a.Op = transport.Write
 			err = c.serveWrite(&h, &a)
+		case frameWriteZ:
+			a.Op = transport.Write
+			err = c.serveWriteZ(&h, &a)
 		case frameRead:
 			a.Op = transport.Read
 			if c.nextIsRead() {

@@ -23,6 +23,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvferry/kvferry/engine/auth"
+	"github.com/kvferry/kvferry/engine/kvcodec"
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/internal/defaults"
 	"github.com/kvferry/kvferry/internal/ratelog"
@@ -89,6 +90,12 @@ type Options struct {
 	// allowed key or does not authenticate at all. Nil: no
 	// authentication, the wire of earlier versions.
 	Auth *auth.Authority
+	// Compressor, when set, compresses our WRITEs of at least
+	// CompressMin bytes to owners that take compressed WRITEs (they say so
+	// in the handshake), when the block is smaller than the slice. Owners
+	// always take them.
+	Compressor  *kvcodec.Encoder
+	CompressMin int
 	// AdvertiseHost is the host peers dial our data port by when it is not
 	// the bound address (a name, NAT's outside address). With Auth, an
 	// initiator's handshake names the address it dialed, and only ours
@@ -138,11 +145,22 @@ type Stats struct {
 	FrameTimeouts   uint64 // accepted connections closed because a frame (HELLO included) came too slowly
 	GoAways         uint64 // our paths an owner closed as idle; their slices it had not read were handed back
 	AuthRefused     uint64 // connections refused for authentication, or cut when their key left the allowlist
+	// Compressed WRITEs (WRITE_Z). As owner: block bytes received, blocks
+	// refused for want of decoding room, malformed blocks refused. As
+	// initiator: slices sent compressed, their bytes before and after.
+	CompressedIn        uint64
+	CompressedRefused   uint64
+	CompressedMalformed uint64
+	CompressedSlices    uint64
+	CompressedRawOut    uint64
+	CompressedOut       uint64
 }
 
 type counters struct {
 	bytesIn, bytesOut, refused, refusedInFlight, protocolErrors, acceptErrors     atomic.Uint64
 	refusedPerPeer, refusedTotal, idleClosed, frameTimeouts, goAways, authRefused atomic.Uint64
+	compressedIn, compressedRefused, compressedMalformed                          atomic.Uint64
+	compressedSlices, compressedRawOut, compressedOut                             atomic.Uint64
 }
 
 // Transport is the TCP transport. It is safe for concurrent use.
@@ -156,7 +174,15 @@ type Transport struct {
 	closed  chan struct{} // closed by Close
 	stats   counters
 	limits  connLimits
-	warn    *ratelog.Limiter // peer-caused warnings
+	// WRITE_Z: the decoding room shared by every connection, and the
+	// decoder (made at the first block).
+	zBudget  byteBudget
+	zdecOnce sync.Once
+	zdec     *kvcodec.Decoder
+	zdecErr  error
+	// enc compresses our WRITEs to owners that take WRITE_Z; nil: off.
+	enc  *kvcodec.Encoder
+	warn *ratelog.Limiter // peer-caused warnings
 
 	epMu      sync.Mutex
 	endpoints map[*endpoint]struct{}
@@ -174,6 +200,7 @@ func New(opts Options) *Transport {
 		opts: opts, conns: connSet{conns: map[net.Conn]struct{}{}}, endpoints: map[*endpoint]struct{}{}, closed: make(chan struct{}),
 		authed: map[*authedConn]struct{}{},
 		limits: connLimits{perPeer: map[netip.Addr]int{}}, warn: ratelog.New(opts.Logger),
+		zBudget: byteBudget{max: zBudgetBytes}, enc: opts.Compressor,
 	}
 }
 
@@ -450,6 +477,15 @@ func (t *Transport) Stats() Stats {
 		ProtocolErrors: t.stats.protocolErrors.Load(), AcceptErrors: t.stats.acceptErrors.Load(),
 		Conns: int64(t.limits.open()), RefusedPerPeer: t.stats.refusedPerPeer.Load(), RefusedTotal: t.stats.refusedTotal.Load(),
 		IdleClosed: t.stats.idleClosed.Load(), FrameTimeouts: t.stats.frameTimeouts.Load(), GoAways: t.stats.goAways.Load(),
-		AuthRefused: t.stats.authRefused.Load(),
+		AuthRefused:  t.stats.authRefused.Load(),
+		CompressedIn: t.stats.compressedIn.Load(), CompressedRefused: t.stats.compressedRefused.Load(),
+		CompressedMalformed: t.stats.compressedMalformed.Load(), CompressedSlices: t.stats.compressedSlices.Load(),
+		CompressedRawOut: t.stats.compressedRawOut.Load(), CompressedOut: t.stats.compressedOut.Load(),
 	}
+}
+
+// decoder returns the WRITE_Z decoder, made at the first use.
+func (t *Transport) decoder() (*kvcodec.Decoder, error) {
+	t.zdecOnce.Do(func() { t.zdec, t.zdecErr = kvcodec.NewDecoder() })
+	return t.zdec, t.zdecErr
 }

@@ -24,7 +24,8 @@ import (
 //	40 u64 address    owner address
 //	48 u64 grant id
 //	56 u64 done       bytes applied (WRITE_ACK) or valid (READ_DONE); in
-//	                  HELLO, the initiator's feature bits (helloGoAway, helloAuth); in
+//	                  HELLO, the initiator's feature bits (helloGoAway, helloAuth,
+//	                  helloCompress), in HELLO_ACK the owner's (helloCompress); in
 //	                  WRITE and READ, the owner's fence epoch the slice was
 //	                  planned under (0 from initiators that know none)
 const (
@@ -55,6 +56,11 @@ const (
 	// connection between HELLO and HELLO_ACK (see auth.go).
 	frameChallenge = 9
 	frameAuth      = 10
+	// frameWriteZ (initiator -> owner) is a WRITE whose payload is a
+	// kvcodec block: the owner admits the block's decoded length as a
+	// WRITE of that length and answers WRITE_ACK. Sent only to owners
+	// whose HELLO_ACK set helloCompress.
+	frameWriteZ = 11
 )
 
 // helloGoAway, in HELLO's done field, says the initiator understands
@@ -67,6 +73,12 @@ const helloGoAway = 1
 // payload is its public key and a nonce before its name, and it expects a
 // CHALLENGE (see auth.go).
 const helloAuth = 2
+
+// helloCompress, in HELLO's done field, says the initiator may send
+// WRITE_Z frames; in HELLO_ACK's, that the owner takes them. An owner of an
+// older version leaves HELLO_ACK's field 0, and the initiator then sends
+// plain WRITEs.
+const helloCompress = 4
 
 // Statuses in answers. Every non-zero status is a refusal, final for its
 // request.
@@ -145,7 +157,7 @@ func (h *header) decode(b []byte) error {
 		if h.length == 0 || h.length > maxHelloName {
 			return fmt.Errorf("%w: hello name of %d bytes", errBadFrame, h.length)
 		}
-	case frameWrite, frameRead, frameReadData:
+	case frameWrite, frameWriteZ, frameRead, frameReadData:
 		if h.length == 0 || h.length > MaxSliceLength {
 			return fmt.Errorf("%w: length %d", errBadFrame, h.length)
 		}

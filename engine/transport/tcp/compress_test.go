@@ -1,0 +1,131 @@
+package tcp_test
+
+import (
+	"bytes"
+	"encoding/binary"
+	"io"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/kvferry/kvferry/engine/kvcodec"
+	"github.com/kvferry/kvferry/engine/memory"
+	"github.com/kvferry/kvferry/engine/transport/tcp"
+	"github.com/kvferry/kvferry/engine/transport/transporttest"
+)
+
+const (
+	frameWriteZ   = 11
+	helloGoAway   = 1
+	helloCompress = 4
+)
+
+// sayHelloCompressed sends a HELLO offering compressed WRITEs and returns
+// the owner's HELLO_ACK feature bits.
+func sayHelloCompressed(t *testing.T, c net.Conn, name string) uint64 {
+	t.Helper()
+	h := helloFrame(name)
+	binary.LittleEndian.PutUint64(h[56:], helloGoAway|helloCompress)
+	if _, err := c.Write(h); err != nil {
+		t.Fatal(err)
+	}
+	return readAck(t, c, 2, 0).done
+}
+
+type ack struct {
+	status uint32
+	done   uint64
+}
+
+// readAck reads one answer frame of type typ for seq.
+func readAck(t *testing.T, c net.Conn, typ uint8, seq uint64) ack {
+	t.Helper()
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	var b [tcp.HeaderSize]byte
+	if _, err := io.ReadFull(c, b[:]); err != nil {
+		t.Fatalf("no answer to %d: %v", seq, err)
+	}
+	if b[3] != typ || binary.LittleEndian.Uint64(b[8:]) != seq {
+		t.Fatalf("answer %x; want type %d for seq %d", b, typ, seq)
+	}
+	return ack{status: binary.LittleEndian.Uint32(b[4:]), done: binary.LittleEndian.Uint64(b[56:])}
+}
+
+// A peer's WRITE_Z blocks are checked before a byte reaches owner memory:
+// garbage, a block that decodes to more than the range admitted, and one
+// whose plane decodes past its declared length are refused (the connection
+// goes on), a block larger than the registered range is refused as out of
+// bounds, and a valid block lands.
+func TestCompressedWritesAreCheckedBeforeTheyLand(t *testing.T) {
+	const size = 1 << 20
+	mem := make([]byte, size)
+	for i := range mem {
+		mem[i] = 0x77
+	}
+	reg := memory.NewRegistry()
+	regs, err := reg.Register([]memory.Range{{Mem: mem}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, addr := ownerWith(t, tcp.Options{}, transporttest.NewOwner(reg))
+	c := dialFrom(t, addr, "")
+	if bits := sayHelloCompressed(t, c, "z:1"); bits&helloCompress == 0 {
+		t.Fatalf("the owner's HELLO_ACK does not take compressed WRITEs (%#x)", bits)
+	}
+	enc, _ := kvcodec.NewEncoder(kvcodec.CodecHuff0)
+	send := func(seq uint64, block []byte) ack {
+		f := append(rawFrame(frameWriteZ, seq, uint32(len(block)), regs[0].Key, memory.AddrOf(mem)), block...)
+		if _, err := c.Write(f); err != nil {
+			t.Fatal(err)
+		}
+		return readAck(t, c, 4, seq)
+	}
+	untouched := func(what string) {
+		t.Helper()
+		if i := bytes.IndexFunc(mem, func(r rune) bool { return r != 0x77 }); i >= 0 {
+			t.Fatalf("%s: owner memory written at %d", what, i)
+		}
+	}
+	small, _ := enc.Encode(nil, make([]byte, 4096), 1)
+	big, _ := enc.Encode(nil, make([]byte, size*2), 1)
+	forged := append(append([]byte(nil), small[:8]...), big[8:]...) // declares 4096, its planes hold 2 MiB
+	for i, c := range []struct {
+		what   string
+		block  []byte
+		status uint32
+	}{
+		{"garbage", bytes.Repeat([]byte{0xEE}, 100), 5},
+		{"a plane decoding past the declared length", forged, 5},
+		{"more than the registered range", big, 2},
+	} {
+		if a := send(uint64(i+1), c.block); a.status != c.status || a.done != 0 {
+			t.Fatalf("%s: answered status %d, %d bytes; want status %d, 0 bytes", c.what, a.status, a.done, c.status)
+		}
+		untouched(c.what)
+	}
+	data := bytes.Repeat([]byte{1, 2, 3, 4}, size/4)
+	block, _ := enc.Encode(nil, data, 2)
+	if a := send(9, block); a.status != 0 || a.done != size {
+		t.Fatalf("a valid block: status %d, %d bytes", a.status, a.done)
+	}
+	if !bytes.Equal(mem, data) {
+		t.Fatal("a valid block did not land as sent")
+	}
+	if st := srv.Stats(); st.CompressedMalformed != 2 || st.ProtocolErrors != 0 {
+		t.Fatalf("stats %+v: want 2 malformed blocks counted, no connection dropped", st)
+	}
+}
+
+// WRITE_Z on a connection whose HELLO did not offer it is a protocol
+// error: the owner drops the connection.
+func TestCompressedWriteWithoutTheHandshakesBitIsAProtocolError(t *testing.T) {
+	_, addr := ownerWith(t, tcp.Options{}, nil)
+	c := dialFrom(t, addr, "")
+	if err := sayHello(c, "plain:1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Write(append(rawFrame(frameWriteZ, 1, 16, 1, 4096), make([]byte, 16)...)); err != nil {
+		t.Fatal(err)
+	}
+	requireClosed(t, c, 10*time.Second, "WRITE_Z without the handshake's bit")
+}
