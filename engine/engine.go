@@ -236,6 +236,9 @@ func New(opts Options) (*Engine, error) {
 	}
 	var compressor *kvcodec.Encoder
 	if c := opts.Compression; c != "" && c != "off" {
+		if c == "auto" {
+			c = "huff0"
+		}
 		codec, _ := kvcodec.ParseCodec(c) // fill checked it
 		if compressor, err = kvcodec.NewEncoder(codec); err != nil {
 			e.cancel()
@@ -244,7 +247,7 @@ func New(opts Options) (*Engine, error) {
 		}
 	}
 	e.tcp = tcp.New(tcp.Options{
-		Compressor: compressor, CompressMin: compressMin,
+		Compressor: compressor, CompressMin: compressMin, CompressAuto: opts.Compression == "auto",
 		ListenHost: hosts.bind, IOTimeout: opts.IOTimeout, Auth: authority, AdvertiseHost: hosts.dataHost, Logger: e.log, ApplyDelay: opts.Testing.ApplyDelay,
 		MaxConnsPerPeer: opts.TCPMaxConnsPerPeer, MaxConns: opts.TCPMaxConns, IdleTimeout: opts.TCPIdleTimeout,
 		FrameTimeout: opts.TCPFrameTimeout, MinRate: opts.TCPMinRate,

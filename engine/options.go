@@ -61,7 +61,7 @@ import (
 //	PathIdleTimeout    KVFERRY_PATH_IDLE_MS         60000 (paths to a peer unused this long are closed)
 //	IdlePaths          KVFERRY_IDLE_PATHS           256 (paths kept open to peers with nothing in flight; least recently used closed first)
 //	IdleHeartbeatInterval KVFERRY_IDLE_HEARTBEAT_MS 15000 (how often a peer unused for that long is pinged)
-//	Compression        KVFERRY_COMPRESSION          off (huff0, s2 or zstd: compress tcp WRITEs to owners that take them)
+//	Compression        KVFERRY_COMPRESSION          off (auto: huff0 where it pays, per path; huff0, s2, zstd: always)
 type Options struct {
 	// Host is the address the control plane and the data plane listen
 	// on, and the host part of the segment name. An IPv6 address is given
@@ -306,7 +306,9 @@ type Options struct {
 	// only to owners that say they take compressed WRITEs, and only when
 	// the block comes out smaller. Owners always take them. It pays on
 	// links slower than the codec (about 1 GB/s a core for huff0); on a
-	// fast link it costs throughput. "off" (or empty): none.
+	// fast link it costs throughput: "auto" uses huff0 only while it pays,
+	// path by path (each path times the bytes it sends each way and tries
+	// the way not taken once a second). "off" (or empty): none.
 	Compression string
 	// IgnoreEnv makes New skip the KVFERRY_* variables.
 	IgnoreEnv bool
@@ -570,9 +572,9 @@ func (o *Options) fill() error {
 		o.IdlePaths = 0
 	}
 	switch o.Compression {
-	case "", "off", "huff0", "s2", "zstd":
+	case "", "off", "auto", "huff0", "s2", "zstd":
 	default:
-		return fmt.Errorf("compression %q: want off, huff0, s2 or zstd", o.Compression)
+		return fmt.Errorf("compression %q: want off, auto, huff0, s2 or zstd", o.Compression)
 	}
 	def(&o.IdleHeartbeatInterval, 15*time.Second)
 	// An owner tells of its fences only the planners whose control

@@ -54,8 +54,8 @@ func approxNormal(r uint64) float64 {
 	return (s/65535 - 2) * math.Sqrt(3)
 }
 
-// runCompress measures tcp WRITEs of KV-like data with compression off and
-// on (huff0), in the same run, between two network namespaces joined by a
+// runCompress measures tcp WRITEs of KV-like data with compression off,
+// auto and always on (huff0), in the same run, between two network namespaces joined by a
 // veth pair shaped with tc tbf at each --rates rate ("none": unshaped), at
 // 64 KiB and 4 MiB per request. The owner and the initiator are processes of
 // this tool (target and initiator modes) run inside the namespaces; each
@@ -128,7 +128,7 @@ func runCompress(c config) error {
 	}()
 	fmt.Printf("kvferry-bench --mode compress: WRITEs of KV-like bf16 data (synthetic, see fillKV) from %s to %s over a veth pair, 4 threads and paths, %gs a run\n",
 		ipA, ipB, c.duration)
-	fmt.Printf("%-8s %8s %12s %12s %7s\n", "link", "block", "off MB/s", "huff0 MB/s", "ratio")
+	fmt.Printf("%-8s %8s %10s %10s %11s %8s %9s\n", "link", "block", "off MB/s", "auto MB/s", "huff0 MB/s", "auto/off", "huff0/off")
 	for _, rate := range strings.Split(c.shapes, ",") {
 		rate = strings.TrimSpace(rate)
 		for _, ns := range []struct{ ns, dev string }{{nsA, vA}, {nsB, vB}} {
@@ -146,7 +146,7 @@ func runCompress(c config) error {
 		for _, block := range []int{64 << 10, 4 << 20} {
 			best := map[string]float64{}
 			for round := 0; round < 2; round++ {
-				for _, comp := range []string{"off", "huff0"} {
+				for _, comp := range []string{"off", "auto", "huff0"} {
 					gbps, err := compressRun(exe, nsA, ipA, segment, comp, block, c.duration)
 					if err != nil {
 						return fmt.Errorf("%s, %d-byte blocks, compression %s: %w", rate, block, comp, err)
@@ -154,7 +154,8 @@ func runCompress(c config) error {
 					best[comp] = max(best[comp], gbps*1000)
 				}
 			}
-			fmt.Printf("%-8s %8s %12.0f %12.0f %6.2fx\n", rate, sizeName(block), best["off"], best["huff0"], best["huff0"]/best["off"])
+			fmt.Printf("%-8s %8s %10.0f %10.0f %11.0f %7.2fx %8.2fx\n", rate, sizeName(block), best["off"], best["auto"], best["huff0"],
+				best["auto"]/best["off"], best["huff0"]/best["off"])
 		}
 	}
 	return nil

@@ -3,9 +3,12 @@ package tcp
 import (
 	"errors"
 	"fmt"
+	"net"
 	"strings"
 	"sync"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/kvferry/kvferry/engine/kvcodec"
 	"github.com/kvferry/kvferry/engine/memory"
@@ -20,15 +23,20 @@ import (
 // reads. The memory a peer can make the owner hold for blocks and their
 // decoded bytes is bounded by zBudget, shared by every connection.
 
-// zBudgetBytes bounds the bytes held for WRITE_Z blocks and their decoded
-// data, every connection together; a frame past it waits up to zBudgetWait
-// for room, then is refused (Stats.CompressedRefused).
+// zBudgetBytes bounds the bytes held for WRITE_Z blocks, their decoded
+// data and the decoder's scratch, every connection together; a frame past
+// it waits, holding nothing, up to FrameTimeout for room, then is refused
+// (Stats.CompressedRefused). Each frame takes at most 3 x
+// MaxCompressedSlice: 21 frames are decoded at once at the worst.
 const (
 	zBudgetBytes = 256 << 20
-	zBudgetWait  = time.Second
 	// zCopyChunk is the copy into the target between two guard checks.
 	zCopyChunk = 1 << 20
 )
+
+// MaxCompressedSlice is the largest slice sent compressed (its decoded
+// length): larger ones go plain, and a WRITE_Z declaring more is refused.
+const MaxCompressedSlice = 4 << 20
 
 // errCompressedBusy refuses a WRITE_Z for want of decoding room.
 var errCompressedBusy = errors.New("compressed-write decoding room is at its bound")
@@ -96,44 +104,47 @@ func getZBuf(n int) *[]byte {
 }
 
 // serveWriteZ applies one WRITE_Z frame and answers WRITE_ACK with the
-// decoded bytes applied.
+// decoded bytes applied. The order bounds what a peer can make us hold: the
+// block's 8-byte header first (its decoded length, at most MaxCompressedSlice
+// and at least the block's), then admission of that length (a peer with no
+// access allocates nothing), then room for the block, the decoded bytes and
+// the decoder's plane scratch, waited for while nothing is held (the
+// connection just stops being read), and only then the rest of the block.
 func (c *ownerConn) serveWriteZ(h *header, a *transport.Access) error {
 	t := c.t
 	ack := header{typ: frameWriteAck, seq: h.seq, requestID: h.requestID, generation: h.generation}
 	c.lastWrite = true
 	c.startFrame(int(h.length)) // the payload's deadline runs from here
+	if !c.compress {
+		return fmt.Errorf("%w: WRITE_Z on a connection that did not negotiate compression", errBadFrame)
+	}
+	n := int(h.length)
+	var hdr [8]byte
+	got := copy(hdr[:], c.takeBuffered(min(n, len(hdr))))
+	if got < min(n, len(hdr)) {
+		if err := c.raw.readFull(hdr[got:min(n, len(hdr))]); err != nil {
+			return c.readErr(err)
+		}
+	}
+	read := min(n, len(hdr))
+	// refuse answers the frame, dropping the payload not read yet.
 	refuse := func(err error) error {
+		ahead := c.takeBuffered(n - read)
+		if err := c.raw.discard(n - read - len(ahead)); err != nil {
+			return c.readErr(err)
+		}
 		ack.status = statusOf(err)
 		t.stats.refused.Add(1)
 		c.answer(&ack, 0)
 		return c.flushIfFull()
 	}
-	if !c.compress {
-		return fmt.Errorf("%w: WRITE_Z on a connection that did not negotiate compression", errBadFrame)
+	raw, err := kvcodec.RawLen(hdr[:read])
+	if err == nil && (raw == 0 || raw > MaxCompressedSlice || n > raw) {
+		err = fmt.Errorf("block of %d bytes declaring %d (1 to %d, and no fewer than the block)", n, raw, MaxCompressedSlice)
 	}
-	n := int(h.length)
-	if !t.zBudget.take(n, zBudgetWait, t.closed) {
-		t.stats.compressedRefused.Add(1)
-		ahead := c.takeBuffered(n)
-		if err := c.raw.discard(n - len(ahead)); err != nil {
-			return c.readErr(err)
-		}
-		return refuse(fmt.Errorf("%w: %w", transport.ErrRefused, errCompressedBusy))
-	}
-	defer t.zBudget.give(n)
-	bp := getZBuf(n)
-	defer zPool.Put(bp)
-	block := *bp
-	ahead := copy(block, c.takeBuffered(n))
-	if ahead < n {
-		if err := c.raw.readFull(block[ahead:]); err != nil {
-			return c.readErr(err)
-		}
-	}
-	raw, err := kvcodec.RawLen(block)
-	if err != nil || raw == 0 || raw > MaxSliceLength {
+	if err != nil {
 		t.stats.compressedMalformed.Add(1)
-		return refuse(fmt.Errorf("%w: malformed compressed block: %v (declares %d bytes)", memory.ErrInvalidRange, err, raw))
+		return refuse(fmt.Errorf("%w: malformed compressed block: %v", memory.ErrInvalidRange, err))
 	}
 	a.Length = uint64(raw)
 	tgt, err := t.owner.Admit(*a)
@@ -143,23 +154,43 @@ func (c *ownerConn) serveWriteZ(h *header, a *transport.Access) error {
 	if tgt.Stage != nil {
 		defer tgt.Stage.Release()
 	}
-	if t.opts.ApplyDelay > 0 {
-		time.Sleep(t.opts.ApplyDelay)
-	}
-	if !t.zBudget.take(raw, zBudgetWait, t.closed) {
+	// The block, the decoded bytes and the decoder's plane scratch.
+	need := n + 2*raw
+	if !t.zBudget.take(need, t.opts.FrameTimeout, t.closed) {
 		t.stats.compressedRefused.Add(1)
 		return refuse(fmt.Errorf("%w: %w", transport.ErrRefused, errCompressedBusy))
 	}
-	defer t.zBudget.give(raw)
+	defer t.zBudget.give(need)
+	bp := getZBuf(n)
+	defer zPool.Put(bp)
+	block := *bp
+	copy(block, hdr[:read])
+	if read < n {
+		ahead := copy(block[read:], c.takeBuffered(n-read))
+		if read+ahead < n {
+			if err := c.raw.readFull(block[read+ahead:]); err != nil {
+				return c.readErr(err)
+			}
+		}
+	}
+	if t.opts.ApplyDelay > 0 {
+		time.Sleep(t.opts.ApplyDelay)
+	}
 	dp := getZBuf(raw)
 	defer zPool.Put(dp)
 	dec, err := t.decoder()
 	if err != nil {
-		return refuse(fmt.Errorf("%w: %w", transport.ErrRefused, err))
+		ack.status = statusOf(fmt.Errorf("%w: %w", transport.ErrRefused, err))
+		t.stats.refused.Add(1)
+		c.answer(&ack, 0)
+		return c.flushIfFull()
 	}
 	if err := dec.Decode(*dp, block); err != nil {
 		t.stats.compressedMalformed.Add(1)
-		return refuse(fmt.Errorf("%w: malformed compressed block: %w", memory.ErrInvalidRange, err))
+		ack.status = statusOf(fmt.Errorf("%w: malformed compressed block: %w", memory.ErrInvalidRange, err))
+		t.stats.refused.Add(1)
+		c.answer(&ack, 0)
+		return c.flushIfFull()
 	}
 	landed, refusal := guardedCopy(tgt.Mem, *dp, tgt.Guard)
 	if tgt.Stage != nil {
@@ -214,15 +245,19 @@ func (t *Transport) helloCompress() uint64 {
 // for it, and a region already gone leaves the slice to the plain path,
 // which fails it.
 func (ep *endpoint) compress(s *transport.Slice, buf []byte) ([]byte, bool) {
-	if ep.enc == nil || s.Op != transport.Write || len(s.Local) < ep.t.opts.CompressMin || s.LocalReg == nil ||
+	if ep.enc == nil || s.Op != transport.Write || len(s.Local) < ep.t.opts.CompressMin || len(s.Local) > MaxCompressedSlice || s.LocalReg == nil ||
 		strings.HasPrefix(s.LocalReg.Location, "cuda:") {
 		return buf, false
 	}
 	if err := s.LocalReg.Enter(); err != nil {
 		return buf, false
 	}
+	start := time.Now()
 	block, err := ep.enc.Encode(buf, s.Local, 2)
 	s.LocalReg.Leave()
+	if err == nil {
+		ep.auto.encoded(len(s.Local), len(block), time.Since(start))
+	}
 	if err != nil || len(block) >= len(s.Local) {
 		return block, false
 	}
@@ -230,4 +265,94 @@ func (ep *endpoint) compress(s *transport.Slice, buf []byte) ([]byte, bool) {
 	ep.t.stats.compressedRawOut.Add(uint64(len(s.Local)))
 	ep.t.stats.compressedOut.Add(uint64(len(block)))
 	return block, true
+}
+
+// autoCompress decides, on one path, whether compressing WRITEs pays. The
+// kernel tells the link's pace: bytes acknowledged over the time the
+// connection was busy sending (TCP_INFO's bytes_acked and busy_time, which
+// leave out the time it waited for us). Our encoder's pace and ratio come
+// from the blocks this path encoded, encoding time included (a starved CPU
+// shows there). Sending compressed moves min(link/ratio, encoder) raw bytes
+// per second against the link's pace sent plain: compression is on while
+// the encoder outpaces the link by autoGain and blocks shrink below
+// autoMaxRatio. With compression off, one group in autoProbeEvery is
+// encoded anyway, to keep the encoder's figures current. Only the path's
+// sender uses it.
+type autoCompress struct {
+	link      float64   // smoothed wire bytes per busy nanosecond; 0: not measured yet
+	enc       float64   // smoothed raw bytes encoded per nanosecond; 0: not measured yet
+	ratio     float64   // smoothed encoded/raw bytes
+	lastInfo  time.Time // when TCP_INFO was last read
+	acked     uint64    // its bytes_acked then
+	busy      uint64    // its busy_time (microseconds) then
+	lastProbe time.Time // when a group was last encoded
+	on        bool      // the last decision
+}
+
+const (
+	// autoGain is how much faster than the link the encoder must be: below
+	// it the owner's decoding and the measurement's noise eat the gain.
+	autoGain = 1.25
+	// autoMaxRatio: blocks must shrink at least this much.
+	autoMaxRatio = 0.85
+	// autoProbeEvery is how often a group is encoded with compression off.
+	autoProbeEvery = 5 * time.Second
+	// autoInfoEvery is how often TCP_INFO is read.
+	autoInfoEvery = 50 * time.Millisecond
+)
+
+// pick says whether the next group goes compressed.
+func (a *autoCompress) pick(now time.Time, conn *net.TCPConn) bool {
+	if now.Sub(a.lastInfo) >= autoInfoEvery {
+		a.readLink(now, conn)
+	}
+	switch {
+	case a.enc == 0 || now.Sub(a.lastProbe) >= autoProbeEvery:
+		a.lastProbe = now
+		return true // a probe of the encoder
+	case a.link == 0:
+		return false
+	}
+	// Compressed, raw bytes go at min(link/ratio, enc); plain, at link.
+	a.on = a.ratio <= autoMaxRatio && a.ratio*autoGain < 1 && a.enc > autoGain*a.link
+	return a.on
+}
+
+// readLink samples TCP_INFO and updates the link's pace.
+func (a *autoCompress) readLink(now time.Time, conn *net.TCPConn) {
+	a.lastInfo = now
+	rc, err := conn.SyscallConn()
+	if err != nil {
+		return
+	}
+	var info *unix.TCPInfo
+	_ = rc.Control(func(fd uintptr) { info, _ = unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO) })
+	if info == nil {
+		return
+	}
+	dAcked, dBusy := info.Bytes_acked-a.acked, info.Busy_time-a.busy
+	fresh := a.acked == 0 && a.busy == 0
+	a.acked, a.busy = info.Bytes_acked, info.Busy_time
+	// Enough busy time to be a measurement: 20 ms.
+	if fresh || info.Bytes_acked < dAcked || dBusy < 20_000 {
+		return
+	}
+	pace := float64(dAcked) / (float64(dBusy) * 1000) // bytes per nanosecond
+	a.link = smooth(a.link, pace, 0.3)
+}
+
+// encoded takes one encoded slice's figures.
+func (a *autoCompress) encoded(raw, out int, d time.Duration) {
+	if raw == 0 || d <= 0 {
+		return
+	}
+	a.enc = smooth(a.enc, float64(raw)/float64(d.Nanoseconds()), 0.3)
+	a.ratio = smooth(a.ratio, float64(out)/float64(raw), 0.3)
+}
+
+func smooth(old, v, w float64) float64 {
+	if old == 0 {
+		return v
+	}
+	return (1-w)*old + w*v
 }

@@ -25,6 +25,9 @@ type endpoint struct {
 	// enc compresses WRITEs: set when we compress and the owner said in
 	// HELLO_ACK that it takes WRITE_Z.
 	enc *kvcodec.Encoder
+	// auto decides, group by group, whether compressing pays on this path
+	// (Compression "auto"); used by the sender only.
+	auto autoCompress
 
 	mu      sync.Mutex
 	queue   []*transport.Slice
@@ -158,6 +161,9 @@ func (ep *endpoint) send() {
 			iov, user, group = iov[:0], user[:0], group[:0]
 			var reg *memory.Region
 			total := 0
+			// Compress this group? Always with a codec chosen; with auto,
+			// as the time per byte each way measured so far says.
+			useZ := ep.enc != nil && (!ep.t.opts.CompressAuto || ep.auto.pick(time.Now(), ep.conn))
 			for ; i < len(batch) && len(group) < maxGather && total < maxGatherBytes; i++ {
 				s := batch[i]
 				if s.Op == transport.Write && reg != nil && s.LocalReg != reg {
@@ -173,7 +179,12 @@ func (ep *endpoint) send() {
 				}
 				hb := hdrs[len(group)][:]
 				ep.pending.Store(ep.seq, s)
-				if block, ok := ep.compress(s, blocks[len(group)][:0]); ok {
+				var block []byte
+				z := false
+				if useZ {
+					block, z = ep.compress(s, blocks[len(group)][:0])
+				}
+				if z {
 					// The block is ours, not registered memory: no guard
 					// is needed while it is written.
 					blocks[len(group)] = block

@@ -96,6 +96,10 @@ type Options struct {
 	// always take them.
 	Compressor  *kvcodec.Encoder
 	CompressMin int
+	// CompressAuto compresses only while it pays on the path: each path
+	// measures the time per byte of its groups sent compressed and plain
+	// and takes the faster (see autoCompress).
+	CompressAuto bool
 	// AdvertiseHost is the host peers dial our data port by when it is not
 	// the bound address (a name, NAT's outside address). With Auth, an
 	// initiator's handshake names the address it dialed, and only ours
