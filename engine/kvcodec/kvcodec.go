@@ -312,18 +312,7 @@ func (d *Decoder) Decode(dst, block []byte) error {
 		if n%2 != 0 {
 			return fmt.Errorf("%w: 2 planes of an odd length %d", ErrMalformed, n)
 		}
-		bp := planePool.Get().(*[]byte)
-		defer planePool.Put(bp)
-		if cap(*bp) < n {
-			*bp = make([]byte, n)
-		}
-		buf := (*bp)[:n]
-		lo, hi := buf[:n/2], buf[n/2:]
-		if rest, err = d.plane(hi, rest, codec); err == nil {
-			if rest, err = d.plane(lo, rest, codec); err == nil {
-				join(dst, lo, hi)
-			}
-		}
+		rest, err = d.planes(dst, rest, codec)
 	default:
 		return fmt.Errorf("%w: %d planes", ErrMalformed, planes)
 	}
@@ -334,6 +323,52 @@ func (d *Decoder) Decode(dst, block []byte) error {
 		return fmt.Errorf("%w: %d bytes after the last plane", ErrMalformed, len(rest))
 	}
 	return nil
+}
+
+// planes decodes a 2-plane block's body into dst a chunk pair at a time:
+// the high plane's chunk i and the low plane's chunk i go into two
+// ChunkSize scratch buffers and are joined into dst, so decoding holds no
+// more than dst and 256 KiB.
+func (d *Decoder) planes(dst, src []byte, codec Codec) ([]byte, error) {
+	half := len(dst) / 2
+	chunks := max(1, (half+ChunkSize-1)/ChunkSize)
+	// The low plane's chunks follow the high plane's: find where.
+	lo := src
+	for range chunks {
+		if len(lo) < planeHdr {
+			return nil, fmt.Errorf("%w: chunk header", ErrMalformed)
+		}
+		k := int(binary.LittleEndian.Uint32(lo[1:]))
+		if k > len(lo)-planeHdr {
+			return nil, fmt.Errorf("%w: chunk of %d bytes, %d left", ErrMalformed, k, len(lo)-planeHdr)
+		}
+		lo = lo[planeHdr+k:]
+	}
+	hi := src[:len(src)-len(lo)]
+	sp := planePool.Get().(*[]byte)
+	defer planePool.Put(sp)
+	if cap(*sp) < 2*ChunkSize {
+		*sp = make([]byte, 2*ChunkSize)
+	}
+	hs, ls := (*sp)[:ChunkSize], (*sp)[ChunkSize:2*ChunkSize]
+	var err error
+	for off := 0; off < half || off == 0; off += ChunkSize {
+		m := min(ChunkSize, half-off)
+		if hi, err = d.chunk(hs[:m], hi, codec); err != nil {
+			return nil, err
+		}
+		if lo, err = d.chunk(ls[:m], lo, codec); err != nil {
+			return nil, err
+		}
+		join(dst[2*off:2*(off+m)], ls[:m], hs[:m])
+		if half == 0 {
+			break
+		}
+	}
+	if len(hi) != 0 {
+		return nil, fmt.Errorf("%w: high plane longer than its chunks", ErrMalformed)
+	}
+	return lo, nil
 }
 
 // plane decodes one plane into p (its exact length), chunk by chunk, and

@@ -26,8 +26,9 @@ import (
 // zBudgetBytes bounds the bytes held for WRITE_Z blocks, their decoded
 // data and the decoder's scratch, every connection together; a frame past
 // it waits, holding nothing, up to FrameTimeout for room, then is refused
-// (Stats.CompressedRefused). Each frame takes at most 3 x
-// MaxCompressedSlice: 21 frames are decoded at once at the worst.
+// (Stats.CompressedRefused). Each frame takes at most 2 x
+// MaxCompressedSlice and 256 KiB: 31 frames are decoded at once at the
+// worst.
 const (
 	zBudgetBytes = 256 << 20
 	// zCopyChunk is the copy into the target between two guard checks.
@@ -108,7 +109,7 @@ func getZBuf(n int) *[]byte {
 // block's 8-byte header first (its decoded length, at most MaxCompressedSlice
 // and at least the block's), then admission of that length (a peer with no
 // access allocates nothing), then room for the block, the decoded bytes and
-// the decoder's plane scratch, waited for while nothing is held (the
+// the decoder's scratch, waited for while nothing is held (the
 // connection just stops being read), and only then the rest of the block.
 func (c *ownerConn) serveWriteZ(h *header, a *transport.Access) error {
 	t := c.t
@@ -155,7 +156,7 @@ func (c *ownerConn) serveWriteZ(h *header, a *transport.Access) error {
 		defer tgt.Stage.Release()
 	}
 	// The block, the decoded bytes and the decoder's plane scratch.
-	need := n + 2*raw
+	need := n + raw + 2*kvcodec.ChunkSize
 	if !t.zBudget.take(need, t.opts.FrameTimeout, t.closed) {
 		t.stats.compressedRefused.Add(1)
 		return refuse(fmt.Errorf("%w: %w", transport.ErrRefused, errCompressedBusy))
