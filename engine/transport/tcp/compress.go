@@ -193,28 +193,9 @@ func (c *ownerConn) serveWriteZ(h *header, a *transport.Access) error {
 		c.answer(&ack, 0)
 		return c.flushIfFull()
 	}
-	landed, refusal := guardedCopy(tgt.Mem, *dp, tgt.Guard)
-	if tgt.Stage != nil {
-		// Staged (GPU) memory takes the bytes only whole and only inside
-		// the guard, as for a plain WRITE.
-		applied := 0
-		if refusal == nil && landed == len(tgt.Mem) {
-			if refusal = transport.StageCopy(tgt.Guard, tgt.Stage.Flush); refusal == nil {
-				applied = landed
-			}
-		}
-		landed = applied
-	}
-	t.stats.bytesIn.Add(uint64(landed))
 	t.stats.compressedIn.Add(uint64(n))
-	ack.done = uint64(landed)
-	if refusal != nil {
-		ack.status = statusOf(refusal)
-		t.stats.refused.Add(1)
-		t.stats.refusedInFlight.Add(1)
-	}
-	c.answer(&ack, uint64(landed))
-	return c.flushIfFull()
+	landed, refusal := guardedCopy(tgt.Mem, *dp, tgt.Guard)
+	return c.finishWrite(&ack, tgt, landed, refusal)
 }
 
 // guardedCopy copies src into dst zCopyChunk at a time, each chunk inside

@@ -347,10 +347,16 @@ func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 		landed += n
 		c.inStart, c.inEnd = 0, tail
 	}
+	return c.finishWrite(&ack, tgt, landed, refusal)
+}
+
+// finishWrite completes a WRITE whose payload reached the target (landed
+// bytes of it, up to a refusal): staged (GPU) memory takes it only whole
+// and only inside the guard, so an abort either finds the copy done or
+// stops it before it starts. It answers WRITE_ACK with the bytes applied.
+func (c *ownerConn) finishWrite(ack *header, tgt transport.Target, landed int, refusal error) error {
+	t := c.t
 	if tgt.Stage != nil {
-		// The payload is in host staging: it reaches owner (GPU) memory
-		// only whole and only inside the guard, so an abort either
-		// finds the copy done or stops it before it starts.
 		applied := 0
 		if refusal == nil && landed == len(tgt.Mem) {
 			if refusal = transport.StageCopy(tgt.Guard, tgt.Stage.Flush); refusal == nil {
@@ -366,7 +372,7 @@ func (c *ownerConn) serveWrite(h *header, a *transport.Access) error {
 		t.stats.refused.Add(1)
 		t.stats.refusedInFlight.Add(1)
 	}
-	c.answer(&ack, uint64(landed))
+	c.answer(ack, uint64(landed))
 	return c.flushIfFull()
 }
 
