@@ -561,7 +561,14 @@ func (ep *endpoint) receive() {
 			return
 		}
 		ep.untrack(s)
-		s.Finish(sliceErr(&h, len(s.Local)))
+		if h.status == statusUnreachable && ep.dead.Load() {
+			// The owner lost our memory because we revoked its lease
+			// (the path is stopping): the path failed, not the access,
+			// and the slice may go again elsewhere.
+			s.Finish(ep.failure())
+		} else {
+			s.Finish(sliceErr(&h, len(s.Local)))
+		}
 		ep.poke()
 	}
 }
