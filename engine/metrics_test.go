@@ -197,9 +197,15 @@ func TestMetricsCountAbortsAndTheOwnersRefusalsByReason(t *testing.T) {
 	if _, ok := m.value("kvferry_transfer_bytes_total", "peer", p.owner.Name()); ok {
 		t.Error("an aborted write counted bytes")
 	}
+	// The owner resends its ABORT when the ACK is slower than 10 ms (a
+	// loaded machine): the initiator counts each copy it heard and answers
+	// each, so the count is 1 plus the resends that arrived.
 	i := metricsOf(t, p.init)
-	i.require(t, 1, "kvferry_aborts_received_total")
-	i.require(t, 1, "kvferry_abort_acks_sent_total")
+	heard, _ := i.value("kvferry_aborts_received_total")
+	acked, _ := i.value("kvferry_abort_acks_sent_total")
+	if resends := p.owner.Stats().AbortResends; heard < 1 || heard > float64(1+resends) || acked != heard {
+		t.Errorf("initiator heard %v ABORTs and sent %v ACKs; the owner sent 1 and resent %d", heard, acked, resends)
+	}
 }
 
 func TestMetricsCountFencesAndTheirDuration(t *testing.T) {
