@@ -50,6 +50,7 @@ func headerSeeds() []headerSeed {
 		{"auth", encodeHeader(header{typ: frameAuth, length: authMACSize})},
 		{"hello_ack", encodeHeader(header{typ: frameHelloAck})},
 		{"write", write},
+		{"write_z", encodeHeader(header{typ: frameWriteZ, length: 4096, key: 3, addr: 4096})},
 		{"write_with_payload_after", withPayload},
 		{"write_ack_refused", encodeHeader(header{typ: frameWriteAck, status: statusRefused, seq: 3, requestID: 77, generation: 2, done: 4096})},
 		{"read_max", encodeHeader(header{typ: frameRead, length: MaxSliceLength, addr: 1<<64 - 1})},
@@ -97,7 +98,7 @@ func FuzzHeaderDecode(f *testing.F) {
 			if h.length == 0 || h.length > maxHelloName {
 				t.Fatalf("accepted hello of %d bytes", h.length)
 			}
-		case frameWrite, frameRead, frameReadData:
+		case frameWrite, frameWriteZ, frameRead, frameReadData:
 			if h.length == 0 || h.length > MaxSliceLength {
 				t.Fatalf("accepted type %d with length %d", h.typ, h.length)
 			}
