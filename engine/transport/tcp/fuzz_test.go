@@ -134,7 +134,7 @@ func FuzzHeaderDecode(f *testing.F) {
 func TestHeaderSeedVerdicts(t *testing.T) {
 	accept := map[string]bool{"hello": true, "hello_ack": true, "write": true, "write_with_payload_after": true,
 		"write_ack_refused": true, "read_max": true, "read_data": true, "read_done": true, "go_away": true,
-		"hello_goaway_flag": true, "challenge": true, "auth": true}
+		"hello_goaway_flag": true, "challenge": true, "auth": true, "write_z": true}
 	for _, s := range headerSeeds() {
 		var h header
 		err := h.decode(s.data)
