@@ -74,7 +74,7 @@ func TestAllToAllTrafficKeepsEveryByteIntactThroughHostLinkAndEtcdFaults(t *test
 	// 2. A decode host's process killed and started again, same address.
 	victim := decodes[len(decodes)-1]
 	runPhase("decode killed", 0, func(ph *phase) {
-		time.Sleep(2 * time.Second) // traffic to the victim in flight when it dies
+		waitCompleted(t, ph, 0, 100) // traffic running, some to the victim, when it dies
 		d.setFault(victim, true)
 		oldBase := firstPageAddr(t, d, victim)
 		killed := time.Now()
@@ -201,7 +201,10 @@ func TestAllToAllTrafficKeepsEveryByteIntactThroughHostLinkAndEtcdFaults(t *test
 		ph.mu.Lock()
 		doneBefore := ph.completed
 		ph.mu.Unlock()
-		time.Sleep(3 * time.Second) // traffic between resolved peers, etcd gone
+		// Traffic between resolved peers, etcd gone: wait for it rather
+		// than for a time, so a slow machine cannot pass this check
+		// with nothing moved.
+		waitCompleted(t, ph, doneBefore, 50)
 		// A resolution never made before: a prefill opens another
 		// prefill's segment.
 		l, err := prefills[0].node.ask(fmt.Sprintf("open %s 3000", prefills[1%len(prefills)].seg()),
@@ -219,7 +222,6 @@ func TestAllToAllTrafficKeepsEveryByteIntactThroughHostLinkAndEtcdFaults(t *test
 			}
 			say("etcd killed: fresh resolution (3 s deadline) failed after %s ms: %s", f[3], msg)
 		}
-		time.Sleep(2 * time.Second)
 		// Transfers between resolved peers went on: any failure of one
 		// is counted unexpected (no host is under a fault), and some
 		// completed.
@@ -365,4 +367,24 @@ func printReport(t *testing.T, tp *topo, d *driver, lines []string, wall time.Du
 	}
 	fmt.Fprintf(&b, "wall time: %v\n", wall.Round(time.Millisecond))
 	t.Log(b.String())
+}
+
+// waitCompleted waits until the phase completed n requests more than from
+// (bounded by recoverLimit, failing the test past it): traffic that a check
+// counts on has moved, however slow the machine.
+func waitCompleted(t *testing.T, ph *phase, from, n int) {
+	t.Helper()
+	deadline := time.Now().Add(recoverLimit)
+	for {
+		ph.mu.Lock()
+		done := ph.completed
+		ph.mu.Unlock()
+		if done-from >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("phase %s: %d requests completed in %v, %d awaited", ph.name, done-from, recoverLimit, n)
+		}
+		time.Sleep(10 * time.Millisecond) // polling the counter: the condition itself is awaited
+	}
 }

@@ -29,17 +29,27 @@ func heapAllocated() uint64 {
 // admits first and reads straight into owner memory, allocating nothing.
 // FAILS on a666369: about 64 MiB allocated per such header.
 func TestReviewWriteZHeaderAloneAllocatesNothing(t *testing.T) {
-	_, addr := ownerWith(t, tcp.Options{}, nil)
+	// The owner holds admission: a frame it reached admission with is
+	// seen waiting there (before the fix the block was allocated, and the
+	// payload waited for, before admission: the wait below then fails).
+	owner := transporttest.NewOwner(memory.NewRegistry())
+	release := owner.Hold()
+	defer release()
+	_, addr := ownerWith(t, tcp.Options{}, owner)
 	c := dialFrom(t, addr, "")
 	sayHelloCompressed(t, c, "hdr:1")
+	enc, _ := kvcodec.NewEncoder(kvcodec.CodecHuff0)
+	blockHdr, _ := enc.Encode(nil, make([]byte, tcp.MaxCompressedSlice), 1)
 	runtime.GC()
 	before := heapAllocated()
-	if _, err := c.Write(rawFrame(frameWriteZ, 1, tcp.MaxSliceLength, 12345, 4096)); err != nil {
+	// The frame and its block's 8-byte header (declaring 4 MiB), no more.
+	f := append(rawFrame(frameWriteZ, 1, tcp.MaxCompressedSlice, 12345, 4096), blockHdr[:8]...)
+	if _, err := c.Write(f); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(300 * time.Millisecond) // the owner has the header; no payload follows
-	if grew := heapAllocated() - before; grew > 8<<20 {
-		t.Fatalf("a 64-byte WRITE_Z header naming no registered memory made the owner allocate %d MiB before any payload or access check", grew>>20)
+	waitFor(t, 10*time.Second, "the owner at admission of the block", func() bool { return owner.Waiting.Load() == 1 })
+	if grew := heapAllocated() - before; grew > 2<<20 {
+		t.Fatalf("a WRITE_Z naming no registered memory made the owner allocate %d MiB before its access was checked", grew>>20)
 	}
 }
 
@@ -58,17 +68,22 @@ func TestReviewWriteZBudgetCannotBePinnedByHeadersAlone(t *testing.T) {
 		t.Fatal(err)
 	}
 	srv, addr := ownerWith(t, tcp.Options{}, transporttest.NewOwner(reg))
+	enc, _ := kvcodec.NewEncoder(kvcodec.CodecHuff0)
+	blockHdr, _ := enc.Encode(nil, make([]byte, tcp.MaxCompressedSlice), 1)
 	for i := 0; i < 4; i++ {
 		c := dialFrom(t, addr, "")
 		sayHelloCompressed(t, c, "squatter:1")
-		if _, err := c.Write(rawFrame(frameWriteZ, 1, tcp.MaxSliceLength, 999, 4096)); err != nil {
+		// A 64 MiB frame whose block declares 4 MiB, and no more bytes.
+		if _, err := c.Write(append(rawFrame(frameWriteZ, 1, tcp.MaxSliceLength, 999, 4096), blockHdr[:8]...)); err != nil {
 			t.Fatal(err)
 		}
 	}
-	time.Sleep(300 * time.Millisecond)
+	// Every squatter's frame was looked at (refused as malformed: a block
+	// larger than it declares) before the honest peer writes; before the
+	// fix they held the budget instead, and this wait fails.
+	waitFor(t, 10*time.Second, "the squatters' frames refused", func() bool { return srv.Stats().CompressedMalformed == 4 })
 	c := dialFrom(t, addr, "")
 	sayHelloCompressed(t, c, "honest:1")
-	enc, _ := kvcodec.NewEncoder(kvcodec.CodecHuff0)
 	data := bytes.Repeat([]byte{1, 2, 3, 4}, size/4)
 	block, _ := enc.Encode(nil, data, 2)
 	if _, err := c.Write(append(rawFrame(frameWriteZ, 1, uint32(len(block)), regs[0].Key, memory.AddrOf(mem)), block...)); err != nil {

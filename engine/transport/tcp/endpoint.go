@@ -183,11 +183,11 @@ func (ep *endpoint) send() {
 				z := false
 				if useZ {
 					block, z = ep.compress(s, blocks[len(group)][:0])
+					blocks[len(group)] = block // its room serves the next group too, sent or not
 				}
 				if z {
 					// The block is ours, not registered memory: no guard
 					// is needed while it is written.
-					blocks[len(group)] = block
 					h.typ, h.length = frameWriteZ, uint32(len(block))
 					h.encode(hb)
 					iov, user = append(iov, hb, block), append(user, false, false)
