@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"runtime"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"testing"
@@ -122,10 +123,21 @@ func TestDataPortFloodFromAnotherProcessIsBounded(t *testing.T) {
 	if !strings.HasPrefix(slow, "SLOW CUT AFTER") {
 		t.Fatalf("attacker: %q", slow)
 	}
-	waitFor(t, 30*time.Second, "the idle connections closed", func() bool {
+	// Should the owner keep a connection past its deadlines, the report
+	// names the counters and where the owner's goroutines stand.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
 		s := victim.Stats()
-		return s.DataConns == 0 && s.IdleClosed >= perPeer && s.FrameTimeouts >= 1
-	})
+		if s.DataConns == 0 && s.IdleClosed >= perPeer && s.FrameTimeouts >= 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			_ = pprof.Lookup("goroutine").WriteTo(os.Stderr, 1)
+			t.Fatalf("the idle connections closed: not within 30s: %d data connections open, %d closed idle, %d frame timeouts",
+				s.DataConns, s.IdleClosed, s.FrameTimeouts)
+		}
+		time.Sleep(time.Millisecond)
+	}
 	waitFor(t, 10*time.Second, "fds and goroutines back", func() bool {
 		fds, _ := countFDs(t)
 		return fds <= fds0+5 && runtime.NumGoroutine() <= g0+10
