@@ -100,6 +100,106 @@ func TestAbortMidCompressedWriteFencesTheReusedRange(t *testing.T) {
 	}
 }
 
+// Compressed READ answers land intact: the owner compresses what it sends
+// (its own setting decides), the initiator, with compression off, decodes;
+// fewer bytes cross the wire, and data that does not shrink is answered
+// plain.
+func TestCompressedReadAnswersLandIntact(t *testing.T) {
+	for _, codec := range []string{"huff0", "s2", "zstd"} {
+		t.Run(codec, func(t *testing.T) {
+			owner := newEngineWith(t, engine.Options{Compression: codec})
+			init := newEngine(t)
+			const size = 8 << 20
+			src := alloc(t, owner, size)
+			dst := alloc(t, init, size)
+			fillKV(src, 2)
+			seg := openSegment(t, init, owner.Name())
+			transfer(t, init, 30*time.Second, read(dst, seg, engine.AddrOf(src), size))
+			requireEqual(t, "compressed READ", dst, src)
+			ost, st := owner.Stats(), init.Stats()
+			t.Logf("%s: owner sent %d slices compressed, %d bytes as %d (%.3f); initiator took %d compressed bytes",
+				codec, ost.CompressedSlices, ost.CompressedRawOut, ost.CompressedOut, float64(ost.CompressedOut)/float64(max(ost.CompressedRawOut, 1)), st.CompressedIn)
+			if st.CompressedSlices != 0 {
+				t.Fatalf("the initiator, compression off, sent %d slices compressed", st.CompressedSlices)
+			}
+			if codec == "huff0" && (ost.CompressedSlices == 0 || ost.CompressedOut >= ost.CompressedRawOut || st.CompressedIn != ost.CompressedOut) {
+				t.Fatalf("KV-like data not answered compressed: owner %+v", ost)
+			}
+			before := owner.Stats().CompressedSlices
+			rng := rand.New(rand.NewPCG(6, 6))
+			for i := 0; i+8 <= len(src); i += 8 {
+				binary.LittleEndian.PutUint64(src[i:], rng.Uint64())
+			}
+			transfer(t, init, 30*time.Second, read(dst, seg, engine.AddrOf(src), size))
+			requireEqual(t, "random data", dst, src)
+			if n := owner.Stats().CompressedSlices - before; n != 0 {
+				t.Fatalf("%d slices of random data answered compressed", n)
+			}
+		})
+	}
+}
+
+// Promises 1 and 7 on compressed READ answers: an Abort or a Fence that
+// returned Safe leaves no byte the owner puts in the range afterwards
+// readable by a READ admitted before it. The owner snapshots a slice under
+// its guard and sleeps ApplyDelay after admitting each; with the
+// protection off (UnsafeAbort, UnsafeFence) the same check finds the new
+// bytes at the initiator, showing that it can fail.
+func TestAbortAndFenceStopCompressedReads(t *testing.T) {
+	// Each 64 KiB slice waits 20 ms at the owner between its admission and
+	// its snapshot: the unsafe rows' slices admitted before Abort or Fence
+	// read the range after the test refilled it.
+	const size = 4 << 20
+	for _, how := range []string{"abort", "fence"} {
+		for _, unsafe := range []bool{false, true} {
+			name := how + map[bool]string{false: "/protected", true: "/unsafe"}[unsafe]
+			t.Run(name, func(t *testing.T) {
+				const rid = 23
+				tst := engine.Testing{ApplyDelay: 20 * time.Millisecond}
+				if how == "abort" {
+					tst.UnsafeAbort = unsafe
+				} else {
+					tst.UnsafeFence = unsafe
+				}
+				owner := newEngineWith(t, engine.Options{Compression: "huff0", Testing: tst})
+				// Unsafe, the owner trusts the initiator's ACK, which an
+				// unsafe initiator sends when it hears the ABORT.
+				init := newEngineWith(t, engine.Options{SliceSize: 64 << 10, Testing: engine.Testing{UnsafeAbort: tst.UnsafeAbort}})
+				src, dst := alloc(t, owner, size), alloc(t, init, size)
+				fillByte(src, oldByte)
+				fillByte(dst, 0)
+				seg := openSegment(t, init, owner.Name())
+				b := submit(t, init, withRID(read(dst, seg, engine.AddrOf(src), size), rid, 0))
+				waitFor(t, 10*time.Second, "first bytes read", func() bool { return owner.Stats().CompressedSlices > 0 })
+				if how == "abort" {
+					res, err := owner.Abort(testCtx(t, 10*time.Second), rid, []string{init.Name()})
+					if err != nil || !res.Safe {
+						t.Fatalf("abort = %+v, %v", res, err)
+					}
+				} else {
+					requireSafeFence(t, owner, src)
+				}
+				fillByte(src, reusedByte)
+				r := waitBatch(t, b, 60*time.Second)[0]
+				leaked := bytes.Count(dst, []byte{reusedByte})
+				t.Logf("task %v after %d bytes (%v); %d bytes written after Safe reached the reader", r.Status, r.Transferred, r.Err, leaked)
+				if unsafe {
+					if leaked == 0 {
+						t.Fatal("with the protection off no byte written after Safe reached the reader: the protected row proves nothing")
+					}
+					return
+				}
+				if leaked != 0 {
+					t.Fatalf("a compressed READ admitted before %s read %d bytes written after it returned Safe", how, leaked)
+				}
+				if r.Status == engine.Completed {
+					t.Errorf("the READ completed although %s struck in its middle", how)
+				}
+			})
+		}
+	}
+}
+
 func TestCompressionOptionIsValidated(t *testing.T) {
 	if _, err := engine.New(engine.Options{IgnoreEnv: true, Compression: "lz4"}); !errors.Is(err, engine.ErrInvalidArg) {
 		t.Fatalf("Compression lz4: %v; want ErrInvalidArg", err)

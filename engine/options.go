@@ -298,17 +298,20 @@ type Options struct {
 	// HeartbeatInterval, nor above 60 s (the pings keep our control
 	// connection, over which the owner tells us of its fences, open).
 	IdleHeartbeatInterval time.Duration
-	// Compression compresses the WRITEs this engine sends over tcp (never
-	// rdma or shm) with a KV-cache codec (engine/kvcodec: 2-byte elements
-	// split into byte planes): "huff0" (the planes entropy-coded; what
-	// bf16 and fp16 caches shrink with), "s2" or "zstd" (for data with
-	// repeated strings). Only slices of at least 16 KiB in host memory,
-	// only to owners that say they take compressed WRITEs, and only when
-	// the block comes out smaller. Owners always take them. It pays on
-	// links slower than the codec (about 1 GB/s a core for huff0); on a
-	// fast link it costs throughput: "auto" uses huff0 only while it pays,
-	// path by path (each path times the bytes it sends each way and tries
-	// the way not taken once a second). "off" (or empty): none.
+	// Compression compresses the KV data this engine sends over tcp
+	// (never rdma or shm): its WRITEs as initiator and its answers to
+	// READs as owner, with a KV-cache codec (engine/kvcodec: 2-byte
+	// elements split into byte planes): "huff0" (the planes
+	// entropy-coded; what bf16 and fp16 caches shrink with), "s2" or
+	// "zstd" (for data with repeated strings). Only slices of 16 KiB to
+	// 4 MiB in host memory, only to peers that say in the handshake that
+	// they decode (this version's always do, whatever their own setting),
+	// and only when the block comes out smaller. It pays on links slower
+	// than the codec (about 1 GB/s a core for huff0); on a fast link it
+	// costs throughput: "auto" uses huff0 only while it pays, connection
+	// by connection: the kernel's pace of the link (TCP_INFO) against the
+	// encoder's measured pace and ratio, the encoder measured again every
+	// 5 s while it is off. "off" (or empty): none.
 	Compression string
 	// IgnoreEnv makes New skip the KVFERRY_* variables.
 	IgnoreEnv bool
@@ -330,7 +333,8 @@ type Testing struct {
 	// frees its pages is protected today.
 	UnsafeFence bool
 	// ApplyDelay makes the owner's tcp transport sleep this long after
-	// admitting each WRITE and before applying it, so that frames are
+	// admitting each WRITE and before applying it (and each READ it
+	// answers compressed, before reading it), so that frames are
 	// certainly in flight when a test aborts.
 	ApplyDelay time.Duration
 	// LocalChunkDelay makes the local transport wait this long before

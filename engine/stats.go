@@ -43,10 +43,11 @@ type Stats struct {
 	AcceptErrors  uint64 // failed accepts on the data port (out of file descriptors...); the loop backs off and goes on
 	// TCP paths, as initiator.
 	PathsIdledOut uint64 // our paths an owner closed as idle; their slices it had not read were posted again
-	// Compressed tcp WRITEs (Compression). As initiator: slices sent
-	// compressed, their bytes before and after; as owner: compressed bytes
-	// received, blocks refused for want of decoding room (256 MiB for all
-	// connections) and malformed blocks refused.
+	// Compressed tcp data (Compression). As sender (our WRITEs, our
+	// answers to READs): slices sent compressed, their bytes before and
+	// after. As receiver: compressed bytes received, blocks refused for
+	// want of decoding room (WRITEs: 256 MiB for all connections) and
+	// malformed blocks (a WRITE's refused; a READ answer's fails its path).
 	CompressedSlices    uint64
 	CompressedRawOut    uint64
 	CompressedOut       uint64

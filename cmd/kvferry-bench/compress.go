@@ -54,13 +54,17 @@ func approxNormal(r uint64) float64 {
 	return (s/65535 - 2) * math.Sqrt(3)
 }
 
-// runCompress measures tcp WRITEs of KV-like data with compression off,
-// auto and always on (huff0), in the same run, between two network namespaces joined by a
-// veth pair shaped with tc tbf at each --rates rate ("none": unshaped), at
-// 64 KiB and 4 MiB per request. The owner and the initiator are processes of
-// this tool (target and initiator modes) run inside the namespaces; each
-// setting runs twice, alternating, and the better of its two runs is kept.
-// It needs root, ip and tc; the namespaces are removed however it ends.
+// runCompress measures tcp WRITEs and READs of KV-like data with
+// compression off, auto and always on (huff0), in the same run, between two
+// network namespaces joined by a veth pair shaped with tc tbf at each
+// --rates rate ("none": unshaped), at 64 KiB and 4 MiB per request. The
+// owners and the initiator are processes of this tool (target and initiator
+// modes) run inside the namespaces. The sender's setting decides: a WRITE
+// row sets the initiator's, a READ row the owner's (three owners, one per
+// setting, answer the READs; the WRITEs go to the one not compressing).
+// Each setting runs twice, alternating, and the better of its two runs is
+// kept. It needs root, ip and tc; the namespaces are removed however it
+// ends.
 func runCompress(c config) error {
 	if os.Geteuid() != 0 {
 		return fmt.Errorf("compress mode makes network namespaces: run it as root")
@@ -68,6 +72,13 @@ func runCompress(c config) error {
 	exe, err := os.Executable()
 	if err != nil {
 		return err
+	}
+	var ops []string
+	for _, op := range strings.Split(c.ops, ",") {
+		if op = strings.TrimSpace(op); op != "write" && op != "read" {
+			return fmt.Errorf("--ops: %q is not write or read", op)
+		}
+		ops = append(ops, strings.TrimSpace(op))
 	}
 	tag := strconv.Itoa(os.Getpid() % 100000)
 	nsA, nsB := "kvfz"+tag+"a", "kvfz"+tag+"b"
@@ -95,40 +106,21 @@ func runCompress(c config) error {
 			return err
 		}
 	}
-	// The owner: a target of KV-like data in namespace B.
-	target := exec.Command("ip", "netns", "exec", nsB, exe, "--mode", "target", "--host", ipB, "--protocol", "tcp",
-		"--buffer-size", "67108864", "--data", "kv")
-	target.Stderr = os.Stderr
-	out, err := target.StdoutPipe()
-	if err != nil {
-		return err
-	}
-	if err := target.Start(); err != nil {
-		return err
-	}
-	defer stopChild(target)
-	sc := bufio.NewScanner(out)
-	var segment string
-	for sc.Scan() {
-		if rest, ok := strings.CutPrefix(sc.Text(), "target ready: "); ok {
-			for _, f := range strings.Fields(rest) {
-				if v, ok := strings.CutPrefix(f, "segment="); ok {
-					segment = v
-				}
-			}
-			break
+	settings := []string{"off", "auto", "huff0"}
+	// The owners: targets of KV-like data in namespace B, one per setting
+	// of what they send (READ answers).
+	segments := map[string]string{}
+	for _, comp := range settings {
+		target, segment, err := startCompressTarget(exe, nsB, ipB, comp)
+		if err != nil {
+			return err
 		}
+		defer stopChild(target)
+		segments[comp] = segment
 	}
-	if segment == "" {
-		return fmt.Errorf("the target did not start")
-	}
-	go func() {
-		for sc.Scan() {
-		}
-	}()
-	fmt.Printf("kvferry-bench --mode compress: WRITEs of KV-like bf16 data (synthetic, see fillKV) from %s to %s over a veth pair, 4 threads and paths, %gs a run\n",
-		ipA, ipB, c.duration)
-	fmt.Printf("%-8s %8s %10s %10s %11s %8s %9s\n", "link", "block", "off MB/s", "auto MB/s", "huff0 MB/s", "auto/off", "huff0/off")
+	fmt.Printf("kvferry-bench --mode compress: %s of KV-like bf16 data (synthetic, see fillKV) between %s and %s over a veth pair, 4 threads and paths, %gs a run\n",
+		strings.Join(ops, " and "), ipA, ipB, c.duration)
+	fmt.Printf("%-8s %-5s %8s %10s %10s %11s %8s %9s\n", "link", "op", "block", "off MB/s", "auto MB/s", "huff0 MB/s", "auto/off", "huff0/off")
 	for _, rate := range strings.Split(c.shapes, ",") {
 		rate = strings.TrimSpace(rate)
 		for _, ns := range []struct{ ns, dev string }{{nsA, vA}, {nsB, vB}} {
@@ -143,22 +135,66 @@ func runCompress(c config) error {
 				return err
 			}
 		}
-		for _, block := range []int{64 << 10, 4 << 20} {
-			best := map[string]float64{}
-			for round := 0; round < 2; round++ {
-				for _, comp := range []string{"off", "auto", "huff0"} {
-					gbps, err := compressRun(exe, nsA, ipA, segment, comp, block, c.duration)
-					if err != nil {
-						return fmt.Errorf("%s, %d-byte blocks, compression %s: %w", rate, block, comp, err)
+		for _, op := range ops {
+			for _, block := range []int{64 << 10, 4 << 20} {
+				best := map[string]float64{}
+				for round := 0; round < 2; round++ {
+					for _, comp := range settings {
+						// The sender's setting: the initiator's for a
+						// WRITE, the owner's for a READ.
+						segment, initComp := segments["off"], comp
+						if op == "read" {
+							segment, initComp = segments[comp], "off"
+						}
+						gbps, err := compressRun(exe, nsA, ipA, segment, initComp, op, block, c.duration)
+						if err != nil {
+							return fmt.Errorf("%s, %s of %d bytes, compression %s: %w", rate, op, block, comp, err)
+						}
+						best[comp] = max(best[comp], gbps*1000)
 					}
-					best[comp] = max(best[comp], gbps*1000)
 				}
+				fmt.Printf("%-8s %-5s %8s %10.0f %10.0f %11.0f %7.2fx %8.2fx\n", rate, op, sizeName(block), best["off"], best["auto"], best["huff0"],
+					best["auto"]/best["off"], best["huff0"]/best["off"])
 			}
-			fmt.Printf("%-8s %8s %10.0f %10.0f %11.0f %7.2fx %8.2fx\n", rate, sizeName(block), best["off"], best["auto"], best["huff0"],
-				best["auto"]/best["off"], best["huff0"]/best["off"])
 		}
 	}
 	return nil
+}
+
+// startCompressTarget starts an owner of KV-like data in namespace ns whose
+// READ answers go with compression comp, and returns it and its segment.
+func startCompressTarget(exe, ns, host, comp string) (*exec.Cmd, string, error) {
+	target := exec.Command("ip", "netns", "exec", ns, exe, "--mode", "target", "--host", host, "--protocol", "tcp",
+		"--buffer-size", "67108864", "--data", "kv", "--compression", comp)
+	target.Stderr = os.Stderr
+	out, err := target.StdoutPipe()
+	if err != nil {
+		return nil, "", err
+	}
+	if err := target.Start(); err != nil {
+		return nil, "", err
+	}
+	sc := bufio.NewScanner(out)
+	var segment string
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), "target ready: "); ok {
+			for _, f := range strings.Fields(rest) {
+				if v, ok := strings.CutPrefix(f, "segment="); ok {
+					segment = v
+				}
+			}
+			break
+		}
+	}
+	if segment == "" {
+		stopChild(target)
+		return nil, "", fmt.Errorf("the target (compression %s) did not start", comp)
+	}
+	go func() {
+		for sc.Scan() {
+		}
+	}()
+	return target, segment, nil
 }
 
 func sizeName(n int) string {
@@ -169,9 +205,9 @@ func sizeName(n int) string {
 }
 
 // compressRun runs one timed initiator in namespace ns and returns its GB/s.
-func compressRun(exe, ns, host, segment, comp string, block int, seconds float64) (float64, error) {
+func compressRun(exe, ns, host, segment, comp, op string, block int, seconds float64) (float64, error) {
 	cmd := exec.Command("ip", "netns", "exec", ns, exe, "--mode", "initiator", "--segment", segment, "--host", host,
-		"--protocol", "tcp", "--op", "write", "--block-size", strconv.Itoa(block), "--threads", "4", "--batch-size", "4",
+		"--protocol", "tcp", "--op", op, "--block-size", strconv.Itoa(block), "--threads", "4", "--batch-size", "4",
 		"--buffer-size", "67108864", "--duration", strconv.FormatFloat(seconds, 'f', -1, 64), "--compression", comp, "--data", "kv")
 	cmd.Stderr = os.Stderr
 	out, err := cmd.Output()

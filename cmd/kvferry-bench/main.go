@@ -58,6 +58,7 @@ type config struct {
 	compression                      string        // the engine's Compression
 	data                             string        // "random" or "kv": what the source and target buffers hold
 	shapes                           string        // compress mode: the link rates tried
+	ops                              string        // compress mode: the operations measured
 	peerCounts                       string        // peers mode: the peer counts measured
 	peerWindow                       float64       // peers mode: seconds of the in-use traffic window
 	progressEvery                    time.Duration // a progress line this often (0: every 5 s from 10 s runs)
@@ -83,9 +84,10 @@ func main() {
 	flag.IntVar(&c.pathCount, "paths", 0, "connections per peer (0: --threads)")
 	flag.Uint64Var(&c.seed, "seed", 1, "data pattern seed (target and initiator must agree)")
 	flag.Float64Var(&c.rate, "rate", 1000, "abort mode: background WRITE rate to aim at, MB/s (1e6 bytes)")
-	flag.StringVar(&c.compression, "compression", "", "the engine's Compression: off, huff0, s2 or zstd (tcp WRITEs)")
+	flag.StringVar(&c.compression, "compression", "", "the engine's Compression: off, auto, huff0, s2 or zstd (the tcp data it sends: WRITEs as initiator, READ answers as target)")
 	flag.StringVar(&c.data, "data", "random", "buffer contents: random (incompressible) or kv (bf16 values shaped like attention keys and values)")
 	flag.StringVar(&c.shapes, "rates", "1gbit,10gbit,none", "compress mode: link rates (tc tbf) tried; none: unshaped")
+	flag.StringVar(&c.ops, "ops", "write,read", "compress mode: the operations measured (write, read)")
 	flag.StringVar(&c.peerCounts, "peers", "2,8,32,128,256", "peers mode: peer counts to measure, comma-separated")
 	flag.Float64Var(&c.peerWindow, "idle", 10, "peers mode: seconds of the window, right after the transfers, in which background traffic to peers in use is measured (whole heartbeat intervals; the idle window is one IdleHeartbeatInterval)")
 	flag.DurationVar(&c.abortEvery, "abort-interval", 10*time.Millisecond, "abort mode: mean time between aborts (uniform in [x/2, 3x/2])")

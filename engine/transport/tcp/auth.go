@@ -249,7 +249,7 @@ func (ep *endpoint) initiatorAuth(dialed, self string) (auth.Key, error) {
 	payload = binary.LittleEndian.AppendUint16(payload, uint16(len(dialed)))
 	payload = append(append(payload, dialed...), self...)
 	var hb [HeaderSize]byte
-	(&header{typ: frameHello, length: uint32(len(payload)), done: helloGoAway | helloAuth | ep.t.helloCompress()}).encode(hb[:])
+	(&header{typ: frameHello, length: uint32(len(payload)), done: helloGoAway | helloAuth | ep.t.helloCodecs()}).encode(hb[:])
 	if _, _, err := ep.out.writeGuarded(hb[:], payload, nil); err != nil {
 		return auth.Key{}, err
 	}

@@ -212,12 +212,140 @@ func guardedCopy(dst, src []byte, g transport.Guard) (int, error) {
 	return done, nil
 }
 
-// helloCompress returns the HELLO feature bit saying we may send WRITE_Z.
-func (t *Transport) helloCompress() uint64 {
+// helloCodecs returns the HELLO feature bits of compression: we take
+// READ_DATA_Z answers (every initiator decodes), and we may send WRITE_Z
+// when our own compression is on.
+func (t *Transport) helloCodecs() uint64 {
 	if t.enc == nil {
-		return 0
+		return helloReadZ
 	}
-	return helloCompress
+	return helloReadZ | helloCompress
+}
+
+// compressRead says whether a READ of n bytes is answered compressed: on a
+// connection that negotiated it, for a slice the encoder takes, always with
+// a codec chosen, and with auto as this connection's own sending measures.
+func (c *ownerConn) compressRead(n int) bool {
+	t := c.t
+	if !c.readZ || n < t.opts.CompressMin || n > MaxCompressedSlice {
+		return false
+	}
+	return !t.opts.CompressAuto || c.auto.pick(time.Now(), c.conn)
+}
+
+// serveReadZ answers one READ with READ_DATA_Z and READ_DONE. The target's
+// bytes are first copied into a snapshot zCopyChunk at a time, each chunk
+// inside the target's guard, so an abort, a fence or an unregistration
+// stops the copy at a chunk boundary, and the READ is then refused with no
+// data sent; the snapshot is encoded outside the guard, which is never held
+// for the encoder's time. A GPU target, a snapshot that does not shrink,
+// and want of room in zBudget (not waited for: a plain answer needs none)
+// are answered plain.
+func (c *ownerConn) serveReadZ(h *header, a *transport.Access) error {
+	t := c.t
+	c.lastWrite = false
+	done := header{typ: frameReadDone, seq: h.seq, requestID: h.requestID, generation: h.generation}
+	refuse := func(err error) error {
+		done.status = statusOf(err)
+		t.stats.refused.Add(1)
+		c.answer(&done, 0)
+		return c.flushIfFull()
+	}
+	tgt, err := t.owner.Admit(*a)
+	if err != nil {
+		return refuse(err)
+	}
+	if tgt.Stage != nil {
+		defer tgt.Stage.Release()
+		return c.sendRead(h, tgt)
+	}
+	if t.opts.ApplyDelay > 0 {
+		time.Sleep(t.opts.ApplyDelay)
+	}
+	raw := len(tgt.Mem)
+	// The snapshot and the block, which is sent only when smaller.
+	need := 2 * raw
+	if !t.zBudget.take(need, 0, t.closed) {
+		return c.sendRead(h, tgt)
+	}
+	defer t.zBudget.give(need)
+	sp := getZBuf(raw)
+	defer zPool.Put(sp)
+	copied, refusal := guardedCopy(*sp, tgt.Mem, tgt.Guard)
+	if refusal != nil {
+		if copied > 0 {
+			t.stats.refusedInFlight.Add(1)
+		}
+		return refuse(refusal)
+	}
+	bp := getZBuf(raw)
+	defer zPool.Put(bp)
+	start := time.Now()
+	block, err := t.enc.Encode((*bp)[:0], *sp, 2)
+	if err == nil {
+		c.auto.encoded(raw, len(block), time.Since(start))
+	}
+	typ, payload := uint8(frameReadData), *sp
+	if err == nil && len(block) < raw {
+		typ, payload = frameReadDataZ, block
+		t.stats.compressedSlices.Add(1)
+		t.stats.compressedRawOut.Add(uint64(raw))
+		t.stats.compressedOut.Add(uint64(len(block)))
+	}
+	if cap(block) > cap(*bp) {
+		*bp = block // the encoder grew it: keep the room
+	}
+	c.answer(&header{typ: typ, seq: h.seq, requestID: h.requestID, generation: h.generation, length: uint32(len(payload))}, 0)
+	done.done = uint64(raw)
+	var tb [HeaderSize]byte
+	done.encode(tb[:])
+	_ = c.conn.SetWriteDeadline(t.writeDeadline(len(c.answers) + len(payload) + len(tb)))
+	// The payload is our snapshot, not registered memory: no guard.
+	_, _, err = c.raw.writeGuarded(c.answers, payload, nil, tb[:]...)
+	c.answers, c.answerFrames, c.answerBytes = c.answers[:0], 0, 0
+	if err != nil {
+		return err
+	}
+	t.stats.bytesOut.Add(uint64(raw))
+	return nil
+}
+
+// receiveDataZ reads one READ_DATA_Z payload, n bytes, decodes it and
+// copies the slice's bytes into its memory zCopyChunk at a time, each chunk
+// inside the slice's region guard, or drops it when the slice was
+// canceled. The block is at most the slice's length and the slice at most
+// MaxCompressedSlice (receive checks both), and decoding yields exactly the
+// slice's length or fails: the owner cannot make us hold or write more.
+func (ep *endpoint) receiveDataZ(s *transport.Slice, n int) error {
+	bp := getZBuf(n)
+	defer zPool.Put(bp)
+	block := *bp
+	got := copy(block, ep.inBuf[ep.inStart:ep.inEnd])
+	ep.inStart += got
+	if got < n {
+		if err := ep.in.readFull(block[got:]); err != nil {
+			return err
+		}
+	}
+	ep.t.stats.compressedIn.Add(uint64(n))
+	if !startReceiving(s) {
+		return nil
+	}
+	dec, err := ep.t.decoder()
+	if err != nil {
+		s.Finish(fmt.Errorf("decode a compressed READ answer: %w", err)) // READ_DONE clears it
+		return nil
+	}
+	dp := getZBuf(len(s.Local))
+	defer zPool.Put(dp)
+	if err := dec.Decode(*dp, block); err != nil {
+		ep.t.stats.compressedMalformed.Add(1)
+		return fmt.Errorf("%w: malformed compressed READ answer: %w", errBadFrame, err)
+	}
+	if _, refusal := guardedCopy(s.Local, *dp, s.LocalReg); refusal != nil {
+		s.Finish(fmt.Errorf("local memory: %w", refusal)) // READ_DONE clears it
+	}
+	return nil
 }
 
 // compress encodes a WRITE slice's bytes into buf when the owner takes

@@ -143,3 +143,86 @@ func TestCompressedWriteWithoutTheHandshakesBitIsAProtocolError(t *testing.T) {
 	}
 	requireClosed(t, c, 10*time.Second, "WRITE_Z without the handshake's bit")
 }
+
+// An owner answers READs compressed only to initiators whose HELLO said
+// they take READ_DATA_Z, and only when its own compression is on: the
+// block decodes to the range read and READ_DONE follows with its length.
+// An older initiator (no bit) and an owner not compressing get READ_DATA.
+func TestCompressedReadAnswersAreNegotiated(t *testing.T) {
+	const size = 256 << 10
+	const helloReadZ = 8
+	mem := make([]byte, size)
+	for i := range mem {
+		mem[i] = byte(i) & 0x0f // shrinks under any codec
+	}
+	enc, _ := kvcodec.NewEncoder(kvcodec.CodecHuff0)
+	dec, _ := kvcodec.NewDecoder()
+	for _, c := range []struct {
+		what     string
+		compress bool
+		bits     uint64
+		wantTyp  uint8
+		wantAckZ bool
+	}{
+		{"both willing", true, helloGoAway | helloReadZ, 12, true},
+		{"an initiator without the bit", true, helloGoAway, 6, false},
+		{"an owner not compressing", false, helloGoAway | helloReadZ, 6, false},
+	} {
+		t.Run(c.what, func(t *testing.T) {
+			reg := memory.NewRegistry()
+			regs, err := reg.Register([]memory.Range{{Mem: mem}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			opts := tcp.Options{CompressMin: 1}
+			if c.compress {
+				opts.Compressor = enc
+			}
+			srv, addr := ownerWith(t, opts, transporttest.NewOwner(reg))
+			conn := dialFrom(t, addr, "")
+			h := helloFrame("r:1")
+			binary.LittleEndian.PutUint64(h[56:], c.bits)
+			if _, err := conn.Write(h); err != nil {
+				t.Fatal(err)
+			}
+			if ackZ := readAck(t, conn, 2, 0).done&helloReadZ != 0; ackZ != c.wantAckZ {
+				t.Fatalf("HELLO_ACK says READ_DATA_Z %v, want %v", ackZ, c.wantAckZ)
+			}
+			if _, err := conn.Write(rawFrame(5, 1, size, regs[0].Key, memory.AddrOf(mem))); err != nil {
+				t.Fatal(err)
+			}
+			var hb [tcp.HeaderSize]byte
+			_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+			if _, err := io.ReadFull(conn, hb[:]); err != nil {
+				t.Fatal(err)
+			}
+			n := binary.LittleEndian.Uint32(hb[28:])
+			if hb[3] != c.wantTyp {
+				t.Fatalf("READ answered with type %d (%d bytes), want %d", hb[3], n, c.wantTyp)
+			}
+			payload := make([]byte, n)
+			if _, err := io.ReadFull(conn, payload); err != nil {
+				t.Fatal(err)
+			}
+			got := payload
+			if c.wantTyp == 12 {
+				if n >= size {
+					t.Fatalf("a compressed answer of %d bytes for %d", n, size)
+				}
+				got = make([]byte, size)
+				if err := dec.Decode(got, payload); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if !bytes.Equal(got, mem) {
+				t.Fatal("the answer is not the range read")
+			}
+			if a := readAck(t, conn, 7, 1); a.status != 0 || a.done != size {
+				t.Fatalf("READ_DONE status %d, %d bytes", a.status, a.done)
+			}
+			if st := srv.Stats(); (st.CompressedSlices == 1) != (c.wantTyp == 12) {
+				t.Fatalf("owner counted %d slices sent compressed", st.CompressedSlices)
+			}
+		})
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvferry/kvferry/engine/kvcodec"
 	"github.com/kvferry/kvferry/engine/transport"
 	"github.com/kvferry/kvferry/engine/transport/tcp"
 	"github.com/kvferry/kvferry/engine/transport/transporttest"
@@ -40,4 +41,16 @@ func conformancePair(ownerOpts, initiatorOpts tcp.Options) transporttest.Factory
 		t.Cleanup(func() { _ = ownerSide.Close() })
 		return ep
 	}
+}
+
+// TestConformanceCompressed runs the suite with both sides compressing
+// every slice the codec takes, so WRITEs and READ answers whose blocks
+// shrink go as WRITE_Z and READ_DATA_Z under the same rows.
+func TestConformanceCompressed(t *testing.T) {
+	enc, err := kvcodec.NewEncoder(kvcodec.CodecHuff0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts := tcp.Options{Compressor: enc, CompressMin: 1}
+	transporttest.Run(t, conformancePair(opts, opts))
 }

@@ -71,7 +71,7 @@ func newEndpoint(t *Transport, conn *net.TCPConn, addr, self string, deadline ti
 			return nil, err
 		}
 	} else {
-		hello := header{typ: frameHello, length: uint32(len(self)), done: helloGoAway | t.helloCompress()}
+		hello := header{typ: frameHello, length: uint32(len(self)), done: helloGoAway | t.helloCodecs()}
 		hello.encode(hb[:])
 		if _, _, err := ep.out.writeGuarded(hb[:], []byte(self), nil); err != nil {
 			return nil, err
@@ -274,6 +274,16 @@ func (ep *endpoint) receive() {
 				return
 			}
 			if err := ep.receiveData(s); err != nil {
+				ep.fail(err)
+				return
+			}
+			ep.dataSeq = h.seq
+		case frameReadDataZ:
+			if len(s.Local) > MaxCompressedSlice || int(h.length) > len(s.Local) {
+				ep.fail(fmt.Errorf("%w: READ_DATA_Z of %d bytes for a %d-byte slice (at most %d)", errBadFrame, h.length, len(s.Local), MaxCompressedSlice))
+				return
+			}
+			if err := ep.receiveDataZ(s, int(h.length)); err != nil {
 				ep.fail(err)
 				return
 			}

@@ -55,6 +55,8 @@ func headerSeeds() []headerSeed {
 		{"write_ack_refused", encodeHeader(header{typ: frameWriteAck, status: statusRefused, seq: 3, requestID: 77, generation: 2, done: 4096})},
 		{"read_max", encodeHeader(header{typ: frameRead, length: MaxSliceLength, addr: 1<<64 - 1})},
 		{"read_data", encodeHeader(header{typ: frameReadData, length: 1})},
+		{"read_data_z", encodeHeader(header{typ: frameReadDataZ, seq: 5, length: 4096})},
+		{"type_13", set(encodeHeader(header{typ: frameReadDataZ, length: 4096}), 3, 13)},
 		{"read_done", encodeHeader(header{typ: frameReadDone, status: maxKnownStatus, done: 1<<64 - 1})},
 		{"empty", nil},
 		{"truncated", write[:HeaderSize-1]},
@@ -98,7 +100,7 @@ func FuzzHeaderDecode(f *testing.F) {
 			if h.length == 0 || h.length > maxHelloName {
 				t.Fatalf("accepted hello of %d bytes", h.length)
 			}
-		case frameWrite, frameWriteZ, frameRead, frameReadData:
+		case frameWrite, frameWriteZ, frameRead, frameReadData, frameReadDataZ:
 			if h.length == 0 || h.length > MaxSliceLength {
 				t.Fatalf("accepted type %d with length %d", h.typ, h.length)
 			}
@@ -134,7 +136,7 @@ func FuzzHeaderDecode(f *testing.F) {
 func TestHeaderSeedVerdicts(t *testing.T) {
 	accept := map[string]bool{"hello": true, "hello_ack": true, "write": true, "write_with_payload_after": true,
 		"write_ack_refused": true, "read_max": true, "read_data": true, "read_done": true, "go_away": true,
-		"hello_goaway_flag": true, "challenge": true, "auth": true, "write_z": true}
+		"hello_goaway_flag": true, "challenge": true, "auth": true, "write_z": true, "read_data_z": true}
 	for _, s := range headerSeeds() {
 		var h header
 		err := h.decode(s.data)

@@ -43,7 +43,11 @@ type ownerConn struct {
 	ip       string // its IP address: the key of its rate-limited warnings
 	goAwayOK bool   // the initiator's HELLO said it understands GOAWAY
 	compress bool   // the initiator's HELLO said it may send WRITE_Z (and we said we take them)
-	lastSeq  uint64 // seq of the last request header read
+	readZ    bool   // we compress READ answers and the initiator's HELLO said it takes READ_DATA_Z
+	// auto decides, READ by READ, whether compressing the answer pays on
+	// this connection (Compression "auto"); its pace is ours sending.
+	auto    autoCompress
+	lastSeq uint64 // seq of the last request header read
 
 	// Read deadlines, armed by armRead only when a read is about to wait.
 	frameLen   int       // payload bytes of the frame being read; 0 while reading a header
@@ -162,9 +166,13 @@ func (t *Transport) serve(conn *net.TCPConn, peer netip.Addr) {
 	_ = conn.SetReadDeadline(time.Time{})
 	c.goAwayOK = h.done&helloGoAway != 0
 	c.compress = h.done&helloCompress != 0
+	c.readZ = h.done&helloReadZ != 0 && t.enc != nil
 	ackHello := header{typ: frameHelloAck, seq: h.seq}
 	if c.compress {
-		ackHello.done = helloCompress
+		ackHello.done |= helloCompress
+	}
+	if c.readZ {
+		ackHello.done |= helloReadZ
 	}
 	c.answer(&ackHello, 0)
 	if err := c.flush(); err != nil {
@@ -191,7 +199,9 @@ func (t *Transport) serve(conn *net.TCPConn, peer netip.Addr) {
 			err = c.serveWriteZ(&h, &a)
 		case frameRead:
 			a.Op = transport.Read
-			if c.nextIsRead() {
+			if c.compressRead(int(h.length)) {
+				err = c.serveReadZ(&h, &a)
+			} else if c.nextIsRead() {
 				err = c.serveReads(&h, initiator)
 			} else {
 				err = c.serveRead(&h, &a)
@@ -510,6 +520,13 @@ func (c *ownerConn) serveRead(h *header, a *transport.Access) error {
 	if tgt.Stage != nil {
 		defer tgt.Stage.Release()
 	}
+	return c.sendRead(h, tgt)
+}
+
+// sendRead answers an admitted READ from its target's memory.
+func (c *ownerConn) sendRead(h *header, tgt transport.Target) error {
+	t := c.t
+	done := header{typ: frameReadDone, seq: h.seq, requestID: h.requestID, generation: h.generation}
 	// A refusal already in force costs a lone READ_DONE, not a frame of
 	// zeros: look before committing READ_DATA (the guard is checked again
 	// before each chunk).

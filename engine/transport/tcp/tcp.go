@@ -80,8 +80,9 @@ type Options struct {
 	// Logger receives connection-level events. Default slog.Default().
 	Logger *slog.Logger
 	// ApplyDelay is for tests only: the owner sleeps this long after
-	// admitting each WRITE and before applying its bytes, so that a test
-	// can abort while frames are certainly in flight.
+	// admitting each WRITE and before applying its bytes (and each READ it
+	// answers compressed, before reading its bytes), so that a test can
+	// abort while frames are certainly in flight.
 	ApplyDelay time.Duration
 	// Auth, when set, authenticates every data connection both ways
 	// before a byte of memory moves (see auth.go): an initiator whose key
@@ -90,10 +91,11 @@ type Options struct {
 	// allowed key or does not authenticate at all. Nil: no
 	// authentication, the wire of earlier versions.
 	Auth *auth.Authority
-	// Compressor, when set, compresses our WRITEs of at least
-	// CompressMin bytes to owners that take compressed WRITEs (they say so
-	// in the handshake), when the block is smaller than the slice. Owners
-	// always take them.
+	// Compressor, when set, compresses the data we send of slices of at
+	// least CompressMin bytes, when the block is smaller than the slice:
+	// our WRITEs to owners that take compressed WRITEs, and our answers to
+	// READs of initiators that take compressed answers (both say so in the
+	// handshake; this version's always do).
 	Compressor  *kvcodec.Encoder
 	CompressMin int
 	// CompressAuto compresses only while it pays on the path: each path
@@ -149,9 +151,10 @@ type Stats struct {
 	FrameTimeouts   uint64 // accepted connections closed because a frame (HELLO included) came too slowly
 	GoAways         uint64 // our paths an owner closed as idle; their slices it had not read were handed back
 	AuthRefused     uint64 // connections refused for authentication, or cut when their key left the allowlist
-	// Compressed WRITEs (WRITE_Z). As owner: block bytes received, blocks
-	// refused for want of decoding room, malformed blocks refused. As
-	// initiator: slices sent compressed, their bytes before and after.
+	// Compressed data (WRITE_Z, READ_DATA_Z). As receiver: block bytes
+	// received, blocks refused for want of decoding room (WRITE_Z),
+	// malformed blocks. As sender: slices sent compressed, their bytes
+	// before and after.
 	CompressedIn        uint64
 	CompressedRefused   uint64
 	CompressedMalformed uint64

@@ -25,7 +25,8 @@ import (
 //	48 u64 grant id
 //	56 u64 done       bytes applied (WRITE_ACK) or valid (READ_DONE); in
 //	                  HELLO, the initiator's feature bits (helloGoAway, helloAuth,
-//	                  helloCompress), in HELLO_ACK the owner's (helloCompress); in
+//	                  helloCompress, helloReadZ), in HELLO_ACK the owner's
+//	                  (helloCompress, helloReadZ); in
 //	                  WRITE and READ, the owner's fence epoch the slice was
 //	                  planned under (0 from initiators that know none)
 const (
@@ -61,6 +62,12 @@ const (
 	// WRITE of that length and answers WRITE_ACK. Sent only to owners
 	// whose HELLO_ACK set helloCompress.
 	frameWriteZ = 11
+	// frameReadDataZ (owner -> initiator) is a READ_DATA whose payload is
+	// a kvcodec block decoding to the whole slice; READ_DONE follows as
+	// after READ_DATA. Sent only to initiators whose HELLO set
+	// helloReadZ, and never after a refusal: the owner snapshots the
+	// bytes under its guard before it encodes them.
+	frameReadDataZ = 12
 )
 
 // helloGoAway, in HELLO's done field, says the initiator understands
@@ -79,6 +86,12 @@ const helloAuth = 2
 // older version leaves HELLO_ACK's field 0, and the initiator then sends
 // plain WRITEs.
 const helloCompress = 4
+
+// helloReadZ, in HELLO's done field, says the initiator takes READ_DATA_Z
+// answers; the owner sends them when its own compression is on, and sets
+// the bit in HELLO_ACK to say it may. An owner of an older version ignores
+// the bit and answers plain READ_DATA.
+const helloReadZ = 8
 
 // Statuses in answers. Every non-zero status is a refusal, final for its
 // request.
@@ -157,7 +170,7 @@ func (h *header) decode(b []byte) error {
 		if h.length == 0 || h.length > maxHelloName {
 			return fmt.Errorf("%w: hello name of %d bytes", errBadFrame, h.length)
 		}
-	case frameWrite, frameWriteZ, frameRead, frameReadData:
+	case frameWrite, frameWriteZ, frameRead, frameReadData, frameReadDataZ:
 		if h.length == 0 || h.length > MaxSliceLength {
 			return fmt.Errorf("%w: length %d", errBadFrame, h.length)
 		}
