@@ -1,6 +1,7 @@
 package tcp
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -29,8 +30,15 @@ import (
 // (Stats.CompressedRefused). Each frame takes at most 2 x
 // MaxCompressedSlice and 256 KiB: 31 frames are decoded at once at the
 // worst.
+//
+// Compressed READ answers take their own room, readZBudgetBytes, never
+// waited for: an answer is held until the initiator reads it, which a
+// stalled or hostile reader can put off until the write deadline, so that
+// room must not be the one compressed WRITEs wait for (a refusal there is
+// final for the request), and without room an answer simply goes plain.
 const (
-	zBudgetBytes = 256 << 20
+	zBudgetBytes     = 256 << 20
+	readZBudgetBytes = 64 << 20
 	// zCopyChunk is the copy into the target between two guard checks.
 	zCopyChunk = 1 << 20
 )
@@ -226,11 +234,34 @@ func (t *Transport) helloCodecs() uint64 {
 // connection that negotiated it, for a slice the encoder takes, always with
 // a codec chosen, and with auto as this connection's own sending measures.
 func (c *ownerConn) compressRead(n int) bool {
+	if c.zPicked {
+		// Decided while gathering the READs ahead of it.
+		c.zPicked = false
+		return true
+	}
 	t := c.t
 	if !c.readZ || n < t.opts.CompressMin || n > MaxCompressedSlice {
 		return false
 	}
 	return !t.opts.CompressAuto || c.auto.pick(time.Now(), c.conn)
+}
+
+// nextIsPlainRead reports whether a whole READ header is read ahead that
+// is answered plain: a gathered write stops before one answered
+// compressed, whose decision is kept for when it is served.
+func (c *ownerConn) nextIsPlainRead() bool {
+	if !c.nextIsRead() {
+		return false
+	}
+	if !c.readZ {
+		return true
+	}
+	n := int(binary.LittleEndian.Uint32(c.in[c.inStart+28:]))
+	if c.compressRead(n) {
+		c.zPicked = true
+		return false
+	}
+	return true
 }
 
 // serveReadZ answers one READ with READ_DATA_Z and READ_DONE. The target's
@@ -265,10 +296,10 @@ func (c *ownerConn) serveReadZ(h *header, a *transport.Access) error {
 	raw := len(tgt.Mem)
 	// The snapshot and the block, which is sent only when smaller.
 	need := 2 * raw
-	if !t.zBudget.take(need, 0, t.closed) {
+	if !t.readZBudget.take(need, 0, t.closed) {
 		return c.sendRead(h, tgt)
 	}
-	defer t.zBudget.give(need)
+	defer t.readZBudget.give(need)
 	sp := getZBuf(raw)
 	defer zPool.Put(sp)
 	copied, refusal := guardedCopy(*sp, tgt.Mem, tgt.Guard)
@@ -288,9 +319,6 @@ func (c *ownerConn) serveReadZ(h *header, a *transport.Access) error {
 	typ, payload := uint8(frameReadData), *sp
 	if err == nil && len(block) < raw {
 		typ, payload = frameReadDataZ, block
-		t.stats.compressedSlices.Add(1)
-		t.stats.compressedRawOut.Add(uint64(raw))
-		t.stats.compressedOut.Add(uint64(len(block)))
 	}
 	if cap(block) > cap(*bp) {
 		*bp = block // the encoder grew it: keep the room
@@ -307,6 +335,11 @@ func (c *ownerConn) serveReadZ(h *header, a *transport.Access) error {
 		return err
 	}
 	t.stats.bytesOut.Add(uint64(raw))
+	if typ == frameReadDataZ {
+		t.stats.compressedSlices.Add(1)
+		t.stats.compressedRawOut.Add(uint64(raw))
+		t.stats.compressedOut.Add(uint64(len(block)))
+	}
 	return nil
 }
 
@@ -417,10 +450,14 @@ func (a *autoCompress) pick(now time.Time, conn *net.TCPConn) bool {
 		a.readLink(now, conn)
 	}
 	switch {
-	case a.enc == 0 || now.Sub(a.lastProbe) >= autoProbeEvery:
+	case now.Sub(a.lastProbe) >= autoProbeEvery:
+		// A probe of the encoder (the first decision is one). Not
+		// repeated before it is due even when it encoded nothing (the
+		// slice went plain, or was GPU memory): every slice would
+		// otherwise be a probe.
 		a.lastProbe = now
-		return true // a probe of the encoder
-	case a.link == 0:
+		return true
+	case a.link == 0 || a.enc == 0:
 		return false
 	}
 	// Compressed, raw bytes go at min(link/ratio, enc); plain, at link.

@@ -280,6 +280,7 @@ func (ep *endpoint) receive() {
 			ep.dataSeq = h.seq
 		case frameReadDataZ:
 			if len(s.Local) > MaxCompressedSlice || int(h.length) > len(s.Local) {
+				ep.t.stats.compressedMalformed.Add(1)
 				ep.fail(fmt.Errorf("%w: READ_DATA_Z of %d bytes for a %d-byte slice (at most %d)", errBadFrame, h.length, len(s.Local), MaxCompressedSlice))
 				return
 			}

@@ -47,6 +47,7 @@ type ownerConn struct {
 	// auto decides, READ by READ, whether compressing the answer pays on
 	// this connection (Compression "auto"); its pace is ours sending.
 	auto    autoCompress
+	zPicked bool   // the READ read ahead next was picked to be answered compressed
 	lastSeq uint64 // seq of the last request header read
 
 	// Read deadlines, armed by armRead only when a read is about to wait.
@@ -201,7 +202,7 @@ func (t *Transport) serve(conn *net.TCPConn, peer netip.Addr) {
 			a.Op = transport.Read
 			if c.compressRead(int(h.length)) {
 				err = c.serveReadZ(&h, &a)
-			} else if c.nextIsRead() {
+			} else if c.nextIsPlainRead() {
 				err = c.serveReads(&h, initiator)
 			} else {
 				err = c.serveRead(&h, &a)
@@ -409,7 +410,7 @@ func (c *ownerConn) serveReads(first *header, initiator string) error {
 	hs = append(hs, *first)
 	var h header
 	total := int(first.length)
-	for len(hs) < maxGatheredReads && total < maxGatherBytes && c.nextIsRead() {
+	for len(hs) < maxGatheredReads && total < maxGatherBytes && c.nextIsPlainRead() {
 		if err := c.readHeader(&h); err != nil {
 			return err
 		}

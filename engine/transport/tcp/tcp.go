@@ -183,10 +183,13 @@ type Transport struct {
 	limits  connLimits
 	// WRITE_Z: the decoding room shared by every connection, and the
 	// decoder (made at the first block).
-	zBudget  byteBudget
-	zdecOnce sync.Once
-	zdec     *kvcodec.Decoder
-	zdecErr  error
+	zBudget byteBudget
+	// readZBudget: the room of compressed READ answers, every connection
+	// together.
+	readZBudget byteBudget
+	zdecOnce    sync.Once
+	zdec        *kvcodec.Decoder
+	zdecErr     error
 	// enc compresses our WRITEs to owners that take WRITE_Z; nil: off.
 	enc  *kvcodec.Encoder
 	warn *ratelog.Limiter // peer-caused warnings
@@ -207,7 +210,7 @@ func New(opts Options) *Transport {
 		opts: opts, conns: connSet{conns: map[net.Conn]struct{}{}}, endpoints: map[*endpoint]struct{}{}, closed: make(chan struct{}),
 		authed: map[*authedConn]struct{}{},
 		limits: connLimits{perPeer: map[netip.Addr]int{}}, warn: ratelog.New(opts.Logger),
-		zBudget: byteBudget{max: zBudgetBytes}, enc: opts.Compressor,
+		zBudget: byteBudget{max: zBudgetBytes}, readZBudget: byteBudget{max: readZBudgetBytes}, enc: opts.Compressor,
 	}
 }
 
