@@ -47,6 +47,17 @@ func TestCompressedWritesLandIntact(t *testing.T) {
 			if codec == "huff0" && (st.CompressedSlices == 0 || st.CompressedOut >= st.CompressedRawOut || ost.CompressedIn != st.CompressedOut) {
 				t.Fatalf("KV-like data not sent compressed: %+v", st)
 			}
+			if ost.CompressedRawIn != st.CompressedRawOut {
+				t.Fatalf("the owner decoded %d bytes, the initiator sent %d compressed", ost.CompressedRawIn, st.CompressedRawOut)
+			}
+			// The metrics an operator scrapes say the same, on both sides.
+			im, om := metricsOf(t, init), metricsOf(t, owner)
+			im.require(t, float64(st.CompressedSlices), "kvferry_tcp_compressed_slices_total")
+			im.require(t, float64(st.CompressedRawOut), "kvferry_tcp_compressed_bytes_total", "direction", "out", "form", "raw")
+			im.require(t, float64(st.CompressedOut), "kvferry_tcp_compressed_bytes_total", "direction", "out", "form", "compressed")
+			om.require(t, float64(st.CompressedRawOut), "kvferry_tcp_compressed_bytes_total", "direction", "in", "form", "raw")
+			om.require(t, float64(st.CompressedOut), "kvferry_tcp_compressed_bytes_total", "direction", "in", "form", "compressed")
+			om.require(t, 0, "kvferry_tcp_compressed_refused_total", "reason", "malformed")
 			// Random bytes do not shrink: they go plain, and land.
 			before := init.Stats().CompressedSlices
 			rng := rand.New(rand.NewPCG(5, 5))
@@ -124,6 +135,9 @@ func TestCompressedReadAnswersLandIntact(t *testing.T) {
 			}
 			if codec == "huff0" && (ost.CompressedSlices == 0 || ost.CompressedOut >= ost.CompressedRawOut || st.CompressedIn != ost.CompressedOut) {
 				t.Fatalf("KV-like data not answered compressed: owner %+v", ost)
+			}
+			if st.CompressedRawIn != ost.CompressedRawOut {
+				t.Fatalf("the initiator decoded %d bytes, the owner answered %d compressed", st.CompressedRawIn, ost.CompressedRawOut)
 			}
 			before := owner.Stats().CompressedSlices
 			rng := rand.New(rand.NewPCG(6, 6))

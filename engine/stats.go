@@ -45,13 +45,15 @@ type Stats struct {
 	PathsIdledOut uint64 // our paths an owner closed as idle; their slices it had not read were posted again
 	// Compressed tcp data (Compression). As sender (our WRITEs, our
 	// answers to READs): slices sent compressed, their bytes before and
-	// after. As receiver: compressed bytes received, blocks refused for
-	// want of decoding room (WRITEs: 256 MiB for all connections) and
-	// malformed blocks (a WRITE's refused; a READ answer's fails its path).
+	// after. As receiver: compressed bytes received and the bytes they
+	// decoded to, blocks refused for want of decoding room (WRITEs: 256
+	// MiB for all connections) and malformed blocks (a WRITE's refused; a
+	// READ answer's fails its path).
 	CompressedSlices    uint64
 	CompressedRawOut    uint64
 	CompressedOut       uint64
 	CompressedIn        uint64
+	CompressedRawIn     uint64
 	CompressedRefused   uint64
 	CompressedMalformed uint64
 	// Peers, as initiator.
@@ -188,7 +190,7 @@ func (e *Engine) Stats() Stats {
 		DataConns: t.Conns, ConnsRefused: t.RefusedPerPeer + t.RefusedTotal, IdleClosed: t.IdleClosed,
 		FrameTimeouts: t.FrameTimeouts, PathsIdledOut: t.GoAways, PathsClosedIdle: e.stats.pathsClosedIdle.Load(),
 		CompressedSlices: t.CompressedSlices, CompressedRawOut: t.CompressedRawOut, CompressedOut: t.CompressedOut,
-		CompressedIn: t.CompressedIn, CompressedRefused: t.CompressedRefused, CompressedMalformed: t.CompressedMalformed, OpenPaths: e.openPathCount(), Heartbeats: e.stats.heartbeats.Load(), AcceptErrors: t.AcceptErrors,
+		CompressedIn: t.CompressedIn, CompressedRawIn: t.CompressedRawIn, CompressedRefused: t.CompressedRefused, CompressedMalformed: t.CompressedMalformed, OpenPaths: e.openPathCount(), Heartbeats: e.stats.heartbeats.Load(), AcceptErrors: t.AcceptErrors,
 		ControlDropped: c.Malformed + e.stats.controlDropped.Load(), ControlLate: c.Unmatched, Registrations: e.reg.Len(), OpenSegments: nseg,
 		ControlConns: c.Conns, ControlPeers: c.Peers, ControlConnsRefused: c.ConnsRefused, ControlConnsCut: c.ConnsCut,
 		ControlOverBudget: c.OverBudget, ControlSendFails: c.SendFails,

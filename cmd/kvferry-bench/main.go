@@ -95,7 +95,7 @@ func main() {
 	flag.StringVar(&c.clusterSecret, "cluster-secret-file", "", "engines authenticate with this cluster secret (auth mode: a temporary one when empty)")
 	flag.StringVar(&c.metricsAddr, "metrics-addr", "", "serve the engines' metrics at http://ADDR/metrics during the run (as KVFERRY_METRICS_ADDR)")
 	metricsOn := flag.String("metrics", "on", "on | off: off leaves per-task counting out of the engines (KVFERRY_METRICS=0)")
-	flag.IntVar(&c.rounds, "rounds", 5, "metrics-cost mode: rounds of each setting, alternating")
+	flag.IntVar(&c.rounds, "rounds", 5, "metrics-cost and compress modes: rounds of each setting, alternating (compress mode: default 3)")
 	flag.DurationVar(&c.progressEvery, "progress", 0, "print the rate every this long (0: every 5 s in runs of 10 s or more)")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile to this file")
 	flag.Parse()
@@ -107,9 +107,12 @@ func main() {
 		fmt.Fprintf(os.Stderr, "kvferry-bench: --metrics %q: want on or off\n", *metricsOn)
 		os.Exit(2)
 	}
+	given := map[string]bool{}
+	flag.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	if c.mode == "compress" && !given["rounds"] {
+		c.rounds = 3
+	}
 	if c.mode == "abort" || c.mode == "fence" {
-		given := map[string]bool{}
-		flag.Visit(func(f *flag.Flag) { given[f.Name] = true })
 		if !given["block-size"] {
 			c.blockSize = 8 << 20
 		}
@@ -365,6 +368,10 @@ func initiate(c config, targetBuf []byte) (gbps float64, err error) {
 		c.ready()
 		<-c.gate
 	}
+	// Bytes that crossed compressed, either way (WRITEs we sent, READ
+	// answers we decoded), over the timed loop only.
+	zRaw := func() uint64 { st := e.Stats(); return st.CompressedRawOut + st.CompressedRawIn }
+	zBefore := zRaw()
 	var total atomic.Uint64
 	stop := time.Now().Add(time.Duration(c.duration * float64(time.Second)))
 	results := make([]result, c.threads)
@@ -424,9 +431,9 @@ func initiate(c config, targetBuf []byte) (gbps float64, err error) {
 		return all.latencies[min(len(all.latencies)-1, int(p*float64(len(all.latencies))))]
 	}
 	gbps = float64(all.bytes) / elapsed.Seconds() / 1e9
-	fmt.Printf("RESULT mode=%s op=%s block=%d batch=%d threads=%d gbps=%.3f transfers_per_s=%.0f p50_batch_us=%d p99_batch_us=%d bytes=%d seconds=%.2f\n",
+	fmt.Printf("RESULT mode=%s op=%s block=%d batch=%d threads=%d gbps=%.3f transfers_per_s=%.0f p50_batch_us=%d p99_batch_us=%d bytes=%d seconds=%.2f z_raw_bytes=%d\n",
 		c.mode, c.op, c.blockSize, c.batchSize, c.threads, gbps, float64(all.transfers)/elapsed.Seconds(),
-		pct(0.50).Microseconds(), pct(0.99).Microseconds(), all.bytes, elapsed.Seconds())
+		pct(0.50).Microseconds(), pct(0.99).Microseconds(), all.bytes, elapsed.Seconds(), zRaw()-zBefore)
 
 	// Integrity, outside the timed loop: what each thread moved must hold
 	// the pattern its source holds. A thread that did not wrap through its

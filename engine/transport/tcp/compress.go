@@ -202,6 +202,7 @@ func (c *ownerConn) serveWriteZ(h *header, a *transport.Access) error {
 		return c.flushIfFull()
 	}
 	t.stats.compressedIn.Add(uint64(n))
+	t.stats.compressedRawIn.Add(uint64(len(*dp)))
 	landed, refusal := guardedCopy(tgt.Mem, *dp, tgt.Guard)
 	return c.finishWrite(&ack, tgt, landed, refusal)
 }
@@ -375,6 +376,7 @@ func (ep *endpoint) receiveDataZ(s *transport.Slice, n int) error {
 		ep.t.stats.compressedMalformed.Add(1)
 		return fmt.Errorf("%w: malformed compressed READ answer: %w", errBadFrame, err)
 	}
+	ep.t.stats.compressedRawIn.Add(uint64(len(*dp)))
 	if _, refusal := guardedCopy(s.Local, *dp, s.LocalReg); refusal != nil {
 		s.Finish(fmt.Errorf("local memory: %w", refusal)) // READ_DONE clears it
 	}

@@ -152,10 +152,11 @@ type Stats struct {
 	GoAways         uint64 // our paths an owner closed as idle; their slices it had not read were handed back
 	AuthRefused     uint64 // connections refused for authentication, or cut when their key left the allowlist
 	// Compressed data (WRITE_Z, READ_DATA_Z). As receiver: block bytes
-	// received, blocks refused for want of decoding room (WRITE_Z),
-	// malformed blocks. As sender: slices sent compressed, their bytes
-	// before and after.
+	// received and the bytes they decoded to, blocks refused for want of
+	// decoding room (WRITE_Z), malformed blocks. As sender: slices sent
+	// compressed, their bytes before and after.
 	CompressedIn        uint64
+	CompressedRawIn     uint64
 	CompressedRefused   uint64
 	CompressedMalformed uint64
 	CompressedSlices    uint64
@@ -166,7 +167,7 @@ type Stats struct {
 type counters struct {
 	bytesIn, bytesOut, refused, refusedInFlight, protocolErrors, acceptErrors     atomic.Uint64
 	refusedPerPeer, refusedTotal, idleClosed, frameTimeouts, goAways, authRefused atomic.Uint64
-	compressedIn, compressedRefused, compressedMalformed                          atomic.Uint64
+	compressedIn, compressedRawIn, compressedRefused, compressedMalformed         atomic.Uint64
 	compressedSlices, compressedRawOut, compressedOut                             atomic.Uint64
 }
 
@@ -488,7 +489,7 @@ func (t *Transport) Stats() Stats {
 		Conns: int64(t.limits.open()), RefusedPerPeer: t.stats.refusedPerPeer.Load(), RefusedTotal: t.stats.refusedTotal.Load(),
 		IdleClosed: t.stats.idleClosed.Load(), FrameTimeouts: t.stats.frameTimeouts.Load(), GoAways: t.stats.goAways.Load(),
 		AuthRefused:  t.stats.authRefused.Load(),
-		CompressedIn: t.stats.compressedIn.Load(), CompressedRefused: t.stats.compressedRefused.Load(),
+		CompressedIn: t.stats.compressedIn.Load(), CompressedRawIn: t.stats.compressedRawIn.Load(), CompressedRefused: t.stats.compressedRefused.Load(),
 		CompressedMalformed: t.stats.compressedMalformed.Load(), CompressedSlices: t.stats.compressedSlices.Load(),
 		CompressedRawOut: t.stats.compressedRawOut.Load(), CompressedOut: t.stats.compressedOut.Load(),
 	}
