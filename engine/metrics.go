@@ -313,8 +313,8 @@ func (c engineCollector) Collect(ch chan<- prometheus.Metric) {
 		counter("kvferry_shm_stops_unconfirmed_total", ss.StopsUnconfirmed)
 	}
 	// Compressed tcp data: raw against compressed bytes, each way, is
-	// the ratio auto achieves; refusals say a peer's blocks were turned
-	// away for want of decoding room or did not decode.
+	// the ratio compression achieves; refusals are blocks a peer sent
+	// that found no decoding room in time or that we rejected.
 	counter("kvferry_tcp_compressed_slices_total", s.CompressedSlices)
 	counter("kvferry_tcp_compressed_bytes_total", s.CompressedRawOut, "direction", "out", "form", "raw")
 	counter("kvferry_tcp_compressed_bytes_total", s.CompressedOut, "direction", "out", "form", "compressed")
@@ -474,7 +474,7 @@ var metricHelp = map[string]string{
 	"kvferry_shm_stops_unconfirmed_total":    "Our shm paths stopped without the owner confirming it left our memory.",
 	"kvferry_tcp_compressed_slices_total":    "Slices we sent compressed over tcp (our WRITEs and our answers to READs).",
 	"kvferry_tcp_compressed_bytes_total":     "Bytes of compressed tcp blocks, sent (out) and received (in), before (raw) and after (compressed) compression.",
-	"kvferry_tcp_compressed_refused_total":   "Compressed tcp blocks we turned away: no_room (no decoding room in time), malformed (a block that did not decode to its declared length).",
+	"kvferry_tcp_compressed_refused_total":   "Compressed tcp blocks we turned away: no_room (no decoding room in time), malformed (a block rejected: past the bounds its frame allows, or not decoding to its declared length).",
 	"kvferry_owner_refusals_in_flight_total": "Peers' accesses refused after some of their bytes had moved (an abort, fence or unregistration struck mid-slice).",
 	"kvferry_fence_refusals_total":           "Peers' and local accesses refused as planned before a fence.",
 	"kvferry_gpu_staging_refusals_total":     "Peers' accesses to GPU memory refused for want of staging.",

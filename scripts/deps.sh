@@ -32,3 +32,14 @@ if ! command -v go >/dev/null 2>&1; then
 fi
 # Go modules (cached after the first run).
 go mod download
+
+# go-nvml's cgo prologue wraps functions NVML 13 marks deprecated, and gcc
+# warns about each of them whenever the package is compiled. The Makefile
+# passes -Wno-deprecated-declarations; go commands run by hand (`go vet
+# ./...`, `go test ./...`) get the same default from the Go environment
+# file, unless CGO_CFLAGS is set there already (undo: go env -u CGO_CFLAGS).
+goenv=$(go env GOENV)
+if [ "$goenv" != off ] && ! grep -qs '^CGO_CFLAGS=' "$goenv"; then
+  echo "deps: go env -w CGO_CFLAGS='-O2 -g -Wno-deprecated-declarations' (go-nvml's deprecation warnings)"
+  go env -w CGO_CFLAGS='-O2 -g -Wno-deprecated-declarations'
+fi
