@@ -27,6 +27,19 @@ func fillKV(b []byte, seed uint64) {
 	}
 }
 
+// waitCompressedCounted waits until the sender has counted the compressed
+// blocks the receiver took. A sender counts a block once its socket write
+// returned, and the receiver can take the block and end the transfer
+// before that; the receiver counts before the transfer can end. The wait
+// fails only where the two counts never meet.
+func waitCompressedCounted(t *testing.T, sender, receiver *engine.Engine) {
+	t.Helper()
+	waitFor(t, 10*time.Second, "the sender counted the compressed blocks the receiver took", func() bool {
+		s, r := sender.Stats(), receiver.Stats()
+		return s.CompressedOut == r.CompressedIn && s.CompressedRawOut == r.CompressedRawIn
+	})
+}
+
 // Compressed WRITEs land intact, fewer bytes cross the wire, and data that
 // does not shrink goes as plain WRITEs.
 func TestCompressedWritesLandIntact(t *testing.T) {
@@ -41,6 +54,7 @@ func TestCompressedWritesLandIntact(t *testing.T) {
 			seg := openSegment(t, init, owner.Name())
 			transfer(t, init, 30*time.Second, write(src, seg, engine.AddrOf(dst), size))
 			requireEqual(t, "compressed WRITE", dst, src)
+			waitCompressedCounted(t, init, owner)
 			st, ost := init.Stats(), owner.Stats()
 			t.Logf("%s: %d slices compressed, %d bytes as %d (%.3f); owner took %d compressed bytes",
 				codec, st.CompressedSlices, st.CompressedRawOut, st.CompressedOut, float64(st.CompressedOut)/float64(max(st.CompressedRawOut, 1)), ost.CompressedIn)
@@ -127,6 +141,7 @@ func TestCompressedReadAnswersLandIntact(t *testing.T) {
 			seg := openSegment(t, init, owner.Name())
 			transfer(t, init, 30*time.Second, read(dst, seg, engine.AddrOf(src), size))
 			requireEqual(t, "compressed READ", dst, src)
+			waitCompressedCounted(t, owner, init)
 			ost, st := owner.Stats(), init.Stats()
 			t.Logf("%s: owner sent %d slices compressed, %d bytes as %d (%.3f); initiator took %d compressed bytes",
 				codec, ost.CompressedSlices, ost.CompressedRawOut, ost.CompressedOut, float64(ost.CompressedOut)/float64(max(ost.CompressedRawOut, 1)), st.CompressedIn)
