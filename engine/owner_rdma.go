@@ -26,10 +26,17 @@ func (e *Engine) handleTransport(from string, body []byte) (control.MsgType, []b
 	}
 	rep, err := hs.Serve(from, body)
 	if err != nil {
-		if errors.Is(err, rdma.ErrFencePending) {
+		switch {
+		case errors.Is(err, rdma.ErrFencePending):
 			e.log.Debug("kvferry: rdma connect refused until the abort is acknowledged", "peer", from)
-		} else {
+		case errors.Is(err, rdma.ErrMalformed):
 			e.controlMalformed("TRANSPORT", from, err)
+		default:
+			// A cap reached or a verbs call failed here (a QP that
+			// cannot reach the peer's address, say): the message was
+			// sound, so it is not counted as malformed, and the line
+			// says what failed.
+			e.peerWarn("rdma handshake", from, "kvferry: rdma handshake refused", "peer", from, "transport", "rdma", "err", err)
 		}
 		return control.MsgError, []byte(err.Error())
 	}

@@ -12,7 +12,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine"
+	"github.com/kvferry/kvferry/engine/control"
 	"github.com/kvferry/kvferry/internal/fakeverbs"
 	"github.com/kvferry/kvferry/verbs"
 )
@@ -312,16 +313,29 @@ func TestRDMADrainDoesNotTrustFlushedWork(t *testing.T) {
 // On real devices, a link under a transfer goes down (tests/rxe runs
 // KVFERRY_TEST_RDMA_LINK_DOWN, which takes one veth of its soft-RoCE pair
 // down, and KVFERRY_TEST_RDMA_LINK_UP afterwards): the NIC pairs across it
-// fail for real (retries exceeded, flushes), their slices move to the
-// pairs left, and the transfer completes with every byte right. On the
-// fake, TestRDMAFailoverToAnotherNICPathCompletesTheTransfer shows it.
+// fail for real (retries exceeded, flushes), their slices move on, and
+// every transfer completes with every byte right. The first transfer is
+// under way when the link drops, and whatever of it is still in flight
+// fails with the link; under emulation it can also end first, so a second
+// transfer is submitted once the link is down, and its work requests meet
+// the dead link whatever the timing: the failover is shown on every run,
+// never only when the race goes one way. On the fake,
+// TestRDMAFailoverToAnotherNICPathCompletesTheTransfer shows it.
 func TestRDMAFailoverWhenALinkGoesDown(t *testing.T) {
 	down, up := os.Getenv("KVFERRY_TEST_RDMA_LINK_DOWN"), os.Getenv("KVFERRY_TEST_RDMA_LINK_UP")
 	if !fakeverbs.Real() || down == "" || up == "" {
 		t.Skip("needs real RDMA devices (KVFERRY_TEST_RDMA=1) and KVFERRY_TEST_RDMA_LINK_DOWN/_UP commands, which tests/rxe sets")
 	}
-	const size = 64 << 20
-	_, init, dst, src, seg := onePathPair(t, size, 5)
+	const size, after = 64 << 20, 16 << 20
+	owner := newEngineWith(t, rdmaOpts(t, engine.Options{}))
+	init := newEngineWith(t, rdmaOpts(t, engine.Options{PathsPerPeer: 1}))
+	dst, src := alloc(t, owner, size), alloc(t, init, size)
+	dst2, src2 := alloc(t, owner, after), alloc(t, init, after)
+	fillPattern(src, 5)
+	fillPattern(src2, 6)
+	// Both owner ranges are known before the link drops: the second
+	// transfer tests the data path, not a lookup of a range registered later.
+	seg := openSegment(t, init, owner.Name())
 	b := submit(t, init, write(src, seg, engine.AddrOf(dst), size))
 	waitFor(t, 30*time.Second, "first slice landed", func() bool { return bytes.Equal(dst[:64<<10], src[:64<<10]) })
 	if out, err := exec.Command("sh", "-c", down).CombinedOutput(); err != nil {
@@ -332,16 +346,23 @@ func TestRDMAFailoverWhenALinkGoesDown(t *testing.T) {
 			t.Errorf("%s: %v: %s", up, err, out)
 		}
 	})
+	firstOpen := b.Results()[0].Status == engine.Pending
+	b2 := submit(t, init, write(src2, seg, engine.AddrOf(dst2), after))
 	r := waitBatch(t, b, 120*time.Second)[0]
 	if r.Status != engine.Completed {
-		t.Fatalf("transfer ended %v after the link went down: %v", r.Status, r.Err)
+		t.Fatalf("transfer under way when the link went down ended %v: %v", r.Status, r.Err)
 	}
-	requireEqual(t, "owner memory after the link went down", dst, src)
+	r2 := waitBatch(t, b2, 120*time.Second)[0]
+	if r2.Status != engine.Completed {
+		t.Fatalf("transfer submitted with the link down ended %v: %v", r2.Status, r2.Err)
+	}
+	requireEqual(t, "owner memory written while the link went down", dst, src)
+	requireEqual(t, "owner memory written with the link down", dst2, src2)
 	st := init.Stats()
-	t.Logf("error completions %d, failovers %d, stalls %d, engine retries %d, work requests per NIC %v",
-		st.RDMAErrorWCs, st.RDMAFailovers, st.RDMAStalls, st.Retries, st.RDMAPostedByNIC)
+	t.Logf("first transfer still open once the link was down: %v; error completions %d, failovers %d, stalls %d, engine retries %d, work requests per NIC %v",
+		firstOpen, st.RDMAErrorWCs, st.RDMAFailovers, st.RDMAStalls, st.Retries, st.RDMAPostedByNIC)
 	if st.RDMAFailovers == 0 && st.Retries == 0 {
-		t.Fatal("no NIC path failed and nothing was retried: the transfer ended before the link went down, so no failover was shown")
+		t.Fatal("no NIC path failed and nothing was retried, though a transfer was submitted with the link down")
 	}
 }
 
@@ -458,5 +479,66 @@ func TestRDMAWatchdogChurnNeverMakesAnAbortSafeEarly(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// A TRANSPORT message that does not decode is counted and logged as
+// malformed; a sound one is answered and counts nothing, and a sound one
+// refused here (a QP that cannot reach the peer's address) is logged as
+// refused, with its cause, and counts nothing. Every handshake error used
+// to be logged as "dropped malformed", so an unreachable address read as
+// a hostile peer.
+func TestRDMAHandshakeCountsOnlyMalformedMessagesAsMalformed(t *testing.T) {
+	lc := &lineCounter{lines: map[string]int{}}
+	owner := newEngineWith(t, rdmaOpts(t, engine.Options{Logger: slog.New(lc)}))
+	f := newFakeInitiator(t, owner.Name(), "127.0.0.1:7")
+	reply := func(corr uint64) control.MsgType {
+		t.Helper()
+		for {
+			env, _, ok := f.recv(t, 10*time.Second)
+			if !ok {
+				t.Fatalf("no answer to TRANSPORT %d", corr)
+			}
+			if env.Corr == corr {
+				return env.Type
+			}
+		}
+	}
+	before := owner.Stats().ControlDropped
+	// The rdma transport's info request: kind 1 at its wire version, 3.
+	f.send(t, control.MsgTransport, 1, []byte{1, 3})
+	if got := reply(1); got != control.MsgTransportRep {
+		t.Fatalf("a sound info request was answered %v", got)
+	}
+	if got := owner.Stats().ControlDropped; got != before {
+		t.Fatalf("a sound request counted %d malformed messages", got-before)
+	}
+	// A sound connect request whose GID names no device the fake can
+	// reach: the owner's QP cannot be connected, as on soft-RoCE when the
+	// peer's address has no route. Refused, logged as such, not counted.
+	connect := []byte{2, 3, 1, 0, 0, 0, 0, 0, 0, 0, 1} // kind, version, conn 1, one pair
+	connect = append(connect, 0, 0, 0, 1, 3)           // slot, local, remote NIC 0, Ethernet, MTU 1024
+	connect = append(connect, 1, 0, 0, 0, 1, 0, 0, 0)  // QPN 1, PSN 1
+	connect = append(connect, 0, 0)                    // LID
+	connect = append(connect, bytes.Repeat([]byte{0xaa}, 16)...)
+	f.send(t, control.MsgTransport, 2, connect)
+	if got := reply(2); got != control.MsgError {
+		t.Fatalf("a connect to an unreachable GID was answered %v", got)
+	}
+	if got := owner.Stats().ControlDropped; got != before {
+		t.Fatalf("a refused sound connect counted %d malformed messages", got-before)
+	}
+	if n := lc.count("rdma handshake refused"); n != 1 {
+		t.Fatalf("%d lines say the handshake was refused, want 1", n)
+	}
+	f.send(t, control.MsgTransport, 3, []byte{99, 3})
+	if got := reply(3); got != control.MsgError {
+		t.Fatalf("a message of an unknown kind was answered %v", got)
+	}
+	if got := owner.Stats().ControlDropped; got != before+1 {
+		t.Fatalf("%d malformed messages counted after one, want 1", got-before)
+	}
+	if n := lc.count("malformed TRANSPORT"); n != 1 {
+		t.Fatalf("%d lines say malformed TRANSPORT, want 1", n)
 	}
 }

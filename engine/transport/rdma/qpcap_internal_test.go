@@ -61,6 +61,11 @@ func TestResponderQPsAreCappedInTotal(t *testing.T) {
 			if !strings.Contains(err.Error(), "responder QPs in use") {
 				t.Fatalf("connect %d failed for another reason: %v", i, err)
 			}
+			// A refusal of a sound request: the engine must not count
+			// the peer's message as malformed.
+			if errors.Is(err, ErrMalformed) {
+				t.Fatalf("connect %d: a refusal reads as malformed input: %v", i, err)
+			}
 			refused++
 		}
 		if got := owner.Stats().ResponderQPs; got > 8 {
@@ -80,5 +85,46 @@ func TestResponderQPsAreCappedInTotal(t *testing.T) {
 	}
 	if err := dial("10.0.0.99:1"); err != nil {
 		t.Fatalf("connect after a fence made room: %v", err)
+	}
+}
+
+// Handshake messages that do not decode, or name a NIC the owner does not
+// have, are ErrMalformed (the peer's fault, which the engine counts as
+// such); nothing else Serve returns is.
+func TestServeMarksMalformedHandshakes(t *testing.T) {
+	owner, err := New(Options{Library: fakeverbs.Library(t), Devices: fakeverbs.Devices(""),
+		Exchange: func(context.Context, string, []byte) ([]byte, error) {
+			return nil, errors.New("the owner dials nobody")
+		}})
+	if err != nil {
+		t.Fatalf("owner transport: %v", err)
+	}
+	t.Cleanup(func() { _ = owner.Close() })
+	badNIC := (&connectReq{Conn: 1, Pairs: []pairReq{{Remote: 200, Ethernet: true, MTU: 3, QP: qpInfo{QPN: 1, PSN: 1}}}}).encode()
+	for name, body := range map[string][]byte{
+		"empty":           nil,
+		"unknown kind":    {99, wireVersion},
+		"short info":      {kindInfo},
+		"truncated":       {kindConnect, wireVersion, 1},
+		"NIC past ours":   badNIC,
+		"long disconnect": append([]byte{kindDisconnect, wireVersion}, make([]byte, 20)...),
+	} {
+		if _, err := owner.Serve("10.0.0.1:1", body); !errors.Is(err, ErrMalformed) {
+			t.Errorf("%s: Serve returned %v, want ErrMalformed", name, err)
+		}
+	}
+	// Sound, but its GID names no device the fake can reach: the QP
+	// cannot be connected here, as a real NIC's cannot when the peer's
+	// address has no route. A failure, not malformed input.
+	unreachable := pairReq{Remote: 0, Ethernet: true, MTU: 3, QP: qpInfo{QPN: 1, PSN: 1}}
+	for i := range unreachable.GID {
+		unreachable.GID[i] = 0xaa
+	}
+	_, err = owner.Serve("10.0.0.1:1", (&connectReq{Conn: 1, Pairs: []pairReq{unreachable}}).encode())
+	if err == nil || errors.Is(err, ErrMalformed) {
+		t.Fatalf("a connect to an unreachable GID: Serve returned %v, want a failure that is not ErrMalformed", err)
+	}
+	if got := owner.Stats().ResponderQPs; got != 0 {
+		t.Fatalf("%d responder QPs kept after a failed connect", got)
 	}
 }

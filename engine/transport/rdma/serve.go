@@ -21,12 +21,12 @@ func (t *Transport) Serve(from string, body []byte) ([]byte, error) {
 	}
 	defer t.leave()
 	if len(body) == 0 {
-		return nil, fmt.Errorf("%w: empty", errWire)
+		return nil, fmt.Errorf("%w: empty", ErrMalformed)
 	}
 	switch body[0] {
 	case kindInfo:
 		if len(body) != 2 || body[1] != wireVersion {
-			return nil, fmt.Errorf("%w: info request of %d bytes", errWire, len(body))
+			return nil, fmt.Errorf("%w: info request of %d bytes", ErrMalformed, len(body))
 		}
 		return t.info().encode(), nil
 	case kindConnect:
@@ -51,12 +51,12 @@ func (t *Transport) Serve(from string, body []byte) ([]byte, error) {
 		return []byte{kindRelease, wireVersion}, nil
 	case kindDisconnect:
 		if len(body) != 10 || body[1] != wireVersion {
-			return nil, fmt.Errorf("%w: disconnect of %d bytes", errWire, len(body))
+			return nil, fmt.Errorf("%w: disconnect of %d bytes", ErrMalformed, len(body))
 		}
 		t.dropConn(from, leU64(body[2:]))
 		return []byte{kindDisconnect, wireVersion}, nil
 	}
-	return nil, fmt.Errorf("%w: kind %d", errWire, body[0])
+	return nil, fmt.Errorf("%w: kind %d", ErrMalformed, body[0])
 }
 
 func leU64(b []byte) uint64 {
@@ -97,7 +97,7 @@ const DefaultMaxResponderQPs = 16384
 func (t *Transport) serveConnect(from string, req *connectReq) ([]byte, error) {
 	for _, p := range req.Pairs {
 		if int(p.Remote) >= len(t.nics) {
-			return nil, fmt.Errorf("%w: pair names NIC %d of %d", errWire, p.Remote, len(t.nics))
+			return nil, fmt.Errorf("%w: pair names NIC %d of %d", ErrMalformed, p.Remote, len(t.nics))
 		}
 	}
 	if t.opts.AdmitInitiator != nil {

@@ -31,8 +31,11 @@ const (
 	maxLocations = 64
 )
 
-// errWire marks a malformed message.
-var errWire = errors.New("malformed rdma message")
+// ErrMalformed marks a handshake message that does not decode, or names
+// what does not exist (a NIC past the owner's): the peer's fault. Serve's
+// other errors are refusals (a cap reached, a fence owed) or failures here
+// (a verbs call), which callers must not count as malformed input.
+var ErrMalformed = errors.New("malformed rdma message")
 
 // nicInfo is what a peer needs to address one of our NICs.
 type nicInfo struct {
@@ -129,7 +132,7 @@ func readGID(r *wire.Reader) (g [16]byte) {
 }
 
 // newReader reads an rdma message.
-func newReader(b []byte) *wire.Reader { return &wire.Reader{B: b, Malformed: errWire} }
+func newReader(b []byte) *wire.Reader { return &wire.Reader{B: b, Malformed: ErrMalformed} }
 
 func putStr(b []byte, s string) []byte {
 	b = append(b, byte(len(s)))
@@ -166,11 +169,11 @@ func (m *infoReply) encode() []byte {
 func decodeInfo(body []byte) (*infoReply, error) {
 	r := newReader(body)
 	if r.U8() != kindInfo || r.U8() != wireVersion {
-		return nil, fmt.Errorf("%w: not an info reply of version %d", errWire, wireVersion)
+		return nil, fmt.Errorf("%w: not an info reply of version %d", ErrMalformed, wireVersion)
 	}
 	n := int(r.U8())
 	if n == 0 || n > maxNICs {
-		return nil, fmt.Errorf("%w: %d NICs", errWire, n)
+		return nil, fmt.Errorf("%w: %d NICs", ErrMalformed, n)
 	}
 	m := &infoReply{NICs: make([]nicInfo, n), Matrix: map[string][]uint8{}, Tiers: map[string][]uint8{}}
 	for i := range m.NICs {
@@ -182,12 +185,12 @@ func decodeInfo(body []byte) (*infoReply, error) {
 		x.NUMA = int16(r.U16())
 		x.PCI = r.Str(maxName)
 		if r.Err == nil && (x.MTU < 1 || x.MTU > 5) {
-			return nil, fmt.Errorf("%w: NIC %d has MTU code %d", errWire, i, x.MTU)
+			return nil, fmt.Errorf("%w: NIC %d has MTU code %d", ErrMalformed, i, x.MTU)
 		}
 	}
 	locs := int(r.U8())
 	if locs > maxLocations {
-		return nil, fmt.Errorf("%w: %d locations", errWire, locs)
+		return nil, fmt.Errorf("%w: %d locations", ErrMalformed, locs)
 	}
 	for range locs {
 		loc := r.Str(maxName)
@@ -199,10 +202,10 @@ func decodeInfo(body []byte) (*infoReply, error) {
 		}
 		for i, v := range idx {
 			if int(v) >= n {
-				return nil, fmt.Errorf("%w: location %q names NIC %d of %d", errWire, loc, v, n)
+				return nil, fmt.Errorf("%w: location %q names NIC %d of %d", ErrMalformed, loc, v, n)
 			}
 			if int(tiers[i]) >= k || (i > 0 && tiers[i] < tiers[i-1]) {
-				return nil, fmt.Errorf("%w: location %q: tiers %v are not in order", errWire, loc, tiers)
+				return nil, fmt.Errorf("%w: location %q: tiers %v are not in order", ErrMalformed, loc, tiers)
 			}
 		}
 		m.Matrix[loc] = append([]uint8(nil), idx...)
@@ -231,12 +234,12 @@ func (m *connectReq) encode() []byte {
 func decodeConnect(body []byte) (*connectReq, error) {
 	r := newReader(body)
 	if r.U8() != kindConnect || r.U8() != wireVersion {
-		return nil, fmt.Errorf("%w: not a connect request of version %d", errWire, wireVersion)
+		return nil, fmt.Errorf("%w: not a connect request of version %d", ErrMalformed, wireVersion)
 	}
 	m := &connectReq{Conn: r.U64()}
 	n := int(r.U8())
 	if n == 0 || n > maxPairs {
-		return nil, fmt.Errorf("%w: %d pairs", errWire, n)
+		return nil, fmt.Errorf("%w: %d pairs", ErrMalformed, n)
 	}
 	m.Pairs = make([]pairReq, n)
 	for i := range m.Pairs {
@@ -246,7 +249,7 @@ func decodeConnect(body []byte) (*connectReq, error) {
 		p.LID = r.U16()
 		p.GID = readGID(r)
 		if r.Err == nil && (p.MTU < 1 || p.MTU > 5 || p.QP.QPN == 0 || p.QP.QPN > 0xffffff || p.QP.PSN > 0xffffff) {
-			return nil, fmt.Errorf("%w: pair %d: MTU code %d, QPN %#x, PSN %#x", errWire, i, p.MTU, p.QP.QPN, p.QP.PSN)
+			return nil, fmt.Errorf("%w: pair %d: MTU code %d, QPN %#x, PSN %#x", ErrMalformed, i, p.MTU, p.QP.QPN, p.QP.PSN)
 		}
 	}
 	if err := r.End(); err != nil {
@@ -267,17 +270,17 @@ func (m *connectReply) encode() []byte {
 func decodeConnectReply(body []byte, want int) (*connectReply, error) {
 	r := newReader(body)
 	if r.U8() != kindConnect || r.U8() != wireVersion {
-		return nil, fmt.Errorf("%w: not a connect reply of version %d", errWire, wireVersion)
+		return nil, fmt.Errorf("%w: not a connect reply of version %d", ErrMalformed, wireVersion)
 	}
 	n := int(r.U8())
 	if n != want {
-		return nil, fmt.Errorf("%w: %d QPs for %d pairs", errWire, n, want)
+		return nil, fmt.Errorf("%w: %d QPs for %d pairs", ErrMalformed, n, want)
 	}
 	m := &connectReply{QPs: make([]qpInfo, n)}
 	for i := range m.QPs {
 		m.QPs[i] = qpInfo{QPN: r.U32(), PSN: r.U32()}
 		if r.Err == nil && (m.QPs[i].QPN == 0 || m.QPs[i].QPN > 0xffffff || m.QPs[i].PSN > 0xffffff) {
-			return nil, fmt.Errorf("%w: QP %d: QPN %#x PSN %#x", errWire, i, m.QPs[i].QPN, m.QPs[i].PSN)
+			return nil, fmt.Errorf("%w: QP %d: QPN %#x PSN %#x", ErrMalformed, i, m.QPs[i].QPN, m.QPs[i].PSN)
 		}
 	}
 	if err := r.End(); err != nil {
@@ -302,7 +305,7 @@ func (m *keysReq) encode() []byte {
 func decodeKeys(body []byte) (*keysReq, error) {
 	r := newReader(body)
 	if r.U8() != kindKeys || r.U8() != wireVersion {
-		return nil, fmt.Errorf("%w: not a keys request of version %d", errWire, wireVersion)
+		return nil, fmt.Errorf("%w: not a keys request of version %d", ErrMalformed, wireVersion)
 	}
 	m := &keysReq{Op: r.U8(), Conn: r.U64(), Seq: r.U64(), Key: r.U64(), RequestID: r.U64(), Generation: r.U32(), GrantID: r.U64(), Addr: r.U64(), Len: r.U64(), FenceEpoch: r.U64()}
 	if err := r.End(); err != nil {
@@ -333,7 +336,7 @@ func (m *releaseReq) encode() []byte {
 func decodeRelease(body []byte) (*releaseReq, error) {
 	r := newReader(body)
 	if r.U8() != kindRelease || r.U8() != wireVersion {
-		return nil, fmt.Errorf("%w: not a release of version %d", errWire, wireVersion)
+		return nil, fmt.Errorf("%w: not a release of version %d", ErrMalformed, wireVersion)
 	}
 	m := &releaseReq{Conn: r.U64(), Seq: r.U64()}
 	n := int(r.U16())
@@ -341,7 +344,7 @@ func decodeRelease(body []byte) (*releaseReq, error) {
 		return nil, r.Err
 	}
 	if n == 0 || n > maxRelease || len(r.B) != 8*n {
-		return nil, fmt.Errorf("%w: release of %d request ids in %d bytes", errWire, n, len(r.B))
+		return nil, fmt.Errorf("%w: release of %d request ids in %d bytes", ErrMalformed, n, len(r.B))
 	}
 	m.RequestIDs = make([]uint64, n)
 	for i := range m.RequestIDs {
@@ -398,7 +401,7 @@ func (m *keysReply) encode() []byte {
 func decodeKeysReply(body []byte, wantNICs int) (*keysReply, error) {
 	r := newReader(body)
 	if r.U8() != kindKeys || r.U8() != wireVersion {
-		return nil, fmt.Errorf("%w: not a keys reply of version %d", errWire, wireVersion)
+		return nil, fmt.Errorf("%w: not a keys reply of version %d", ErrMalformed, wireVersion)
 	}
 	switch st := r.U8(); st {
 	case keysOK:
@@ -415,7 +418,7 @@ func decodeKeysReply(body []byte, wantNICs int) (*keysReply, error) {
 		}
 		return nil, fmt.Errorf("%w: %s", transport.ErrRefused, reason)
 	default:
-		return nil, fmt.Errorf("%w: keys status %d", errWire, st)
+		return nil, fmt.Errorf("%w: keys status %d", ErrMalformed, st)
 	}
 	m := &keysReply{Addr: r.U64(), Len: r.U64(), Location: r.Str(maxName)}
 	m.Admitted = transport.Span{Addr: r.U64(), Len: r.U64()}
@@ -425,13 +428,13 @@ func decodeKeysReply(body []byte, wantNICs int) (*keysReply, error) {
 		return nil, r.Err
 	}
 	if n == 0 || n > maxPieces || nics != wantNICs || m.Addr+m.Len < m.Addr || m.Len == 0 {
-		return nil, fmt.Errorf("%w: %d pieces on %d NICs (want %d) for [%#x, +%d)", errWire, n, nics, wantNICs, m.Addr, m.Len)
+		return nil, fmt.Errorf("%w: %d pieces on %d NICs (want %d) for [%#x, +%d)", ErrMalformed, n, nics, wantNICs, m.Addr, m.Len)
 	}
 	if a := m.Admitted; a.Len == 0 || a.Addr < m.Addr || a.Addr-m.Addr > m.Len || a.Len > m.Len-(a.Addr-m.Addr) {
-		return nil, fmt.Errorf("%w: admitted [%#x, +%d) is not inside the registration [%#x, +%d)", errWire, a.Addr, a.Len, m.Addr, m.Len)
+		return nil, fmt.Errorf("%w: admitted [%#x, +%d) is not inside the registration [%#x, +%d)", ErrMalformed, a.Addr, a.Len, m.Addr, m.Len)
 	}
 	if len(r.B) < n*(16+4*nics) {
-		return nil, fmt.Errorf("%w: truncated pieces", errWire)
+		return nil, fmt.Errorf("%w: truncated pieces", ErrMalformed)
 	}
 	m.Pieces = make([]piece, n)
 	var next uint64
@@ -443,12 +446,12 @@ func decodeKeysReply(body []byte, wantNICs int) (*keysReply, error) {
 			p.RKeys[k] = r.U32()
 		}
 		if p.Off != next || p.Len == 0 || p.Len > m.Len-p.Off {
-			return nil, fmt.Errorf("%w: piece %d at +%d of %d bytes does not follow +%d within %d", errWire, i, p.Off, p.Len, next, m.Len)
+			return nil, fmt.Errorf("%w: piece %d at +%d of %d bytes does not follow +%d within %d", ErrMalformed, i, p.Off, p.Len, next, m.Len)
 		}
 		next = p.Off + p.Len
 	}
 	if next != m.Len {
-		return nil, fmt.Errorf("%w: pieces cover %d of %d bytes", errWire, next, m.Len)
+		return nil, fmt.Errorf("%w: pieces cover %d of %d bytes", ErrMalformed, next, m.Len)
 	}
 	if err := r.End(); err != nil {
 		return nil, err

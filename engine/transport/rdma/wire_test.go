@@ -30,7 +30,7 @@ func TestWireRoundTrips(t *testing.T) {
 	// Tiers out of order (a better NIC after a worse one) are refused.
 	badTiers := sampleInfo()
 	badTiers.Tiers["cpu:1"] = []uint8{1, 0}
-	if _, err := decodeInfo(badTiers.encode()); !errors.Is(err, errWire) {
+	if _, err := decodeInfo(badTiers.encode()); !errors.Is(err, ErrMalformed) {
 		t.Fatalf("tiers out of order: %v, want a wire error", err)
 	}
 	cr := &connectReq{Conn: 99, Pairs: []pairReq{{Slot: 3, Local: 1, Remote: 0, QP: qpInfo{QPN: 0x123, PSN: 0xabc}, LID: 9, MTU: 5, Ethernet: true}}}
@@ -42,7 +42,7 @@ func TestWireRoundTrips(t *testing.T) {
 	if g, err := decodeConnectReply(rep.encode(), 1); err != nil || g.QPs[0] != rep.QPs[0] {
 		t.Fatalf("connect reply: %+v, %v", g, err)
 	}
-	if _, err := decodeConnectReply(rep.encode(), 2); !errors.Is(err, errWire) {
+	if _, err := decodeConnectReply(rep.encode(), 2); !errors.Is(err, ErrMalformed) {
 		t.Fatalf("a reply for the wrong number of pairs: %v", err)
 	}
 	kr := &keysReply{Addr: 0x1000, Len: 300, Location: "cpu:0", Admitted: transport.Span{Addr: 0x1010, Len: 100}, Pieces: []piece{{Off: 0, Len: 200, RKeys: []uint32{1, 2}}, {Off: 200, Len: 100, RKeys: []uint32{3, 4}}}}
@@ -55,7 +55,7 @@ func TestWireRoundTrips(t *testing.T) {
 	for _, a := range []transport.Span{{}, {Addr: 0xf00, Len: 300}, {Addr: 0x1000, Len: 301}, {Addr: 0x112c, Len: 1}} {
 		out := *kr
 		out.Admitted = a
-		if _, err := decodeKeysReply(out.encode(), 2); !errors.Is(err, errWire) {
+		if _, err := decodeKeysReply(out.encode(), 2); !errors.Is(err, ErrMalformed) {
 			t.Fatalf("admitted %+v outside [0x1000, +300): %v", a, err)
 		}
 	}
@@ -65,7 +65,7 @@ func TestWireRoundTrips(t *testing.T) {
 	// Pieces that leave a hole or overlap are refused: they could steer
 	// a write outside what the owner named.
 	bad := &keysReply{Addr: 0x1000, Len: 300, Pieces: []piece{{Off: 0, Len: 100, RKeys: []uint32{1}}, {Off: 150, Len: 150, RKeys: []uint32{2}}}}
-	if _, err := decodeKeysReply(bad.encode(), 1); !errors.Is(err, errWire) {
+	if _, err := decodeKeysReply(bad.encode(), 1); !errors.Is(err, ErrMalformed) {
 		t.Fatalf("pieces with a hole: %v", err)
 	}
 	kq := &keysReq{Conn: 8, Seq: 9, Key: 1, Op: 2, RequestID: 3, Generation: 4, GrantID: 5, Addr: 6, Len: 7}
@@ -77,7 +77,7 @@ func TestWireRoundTrips(t *testing.T) {
 		t.Fatalf("release: %+v, %v", g, err)
 	}
 	for _, bad := range []*releaseReq{{Conn: 1}, {Conn: 1, RequestIDs: make([]uint64, maxRelease+1)}} {
-		if _, err := decodeRelease(bad.encode()); !errors.Is(err, errWire) {
+		if _, err := decodeRelease(bad.encode()); !errors.Is(err, ErrMalformed) {
 			t.Fatalf("release of %d request ids: %v", len(bad.RequestIDs), err)
 		}
 	}
