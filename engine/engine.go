@@ -171,7 +171,7 @@ type engineCounters struct {
 	heartbeats, pathsClosedIdle                         atomic.Uint64
 	abortsSafe, abortsNotSafe, abortAcks, acksUnmatched atomic.Uint64
 	abortResends, abortsReceived, controlDropped        atomic.Uint64
-	acksSent, ownerStageRefused                         atomic.Uint64
+	acksSent, ownerStageRefused, drainRechecked         atomic.Uint64
 	fencesSafe, fencesNotSafe, fenceAcks                atomic.Uint64
 	fenceAcksUnmatched, fencesReceived, fenceRefused    atomic.Uint64
 	eventsDropped, notifications, tasksAborted          atomic.Uint64

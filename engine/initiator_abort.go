@@ -50,6 +50,12 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 			// The drain at minGen covers every older generation: answer
 			// the one asked about, which the owner is waiting for.
 			ack = control.AbortAck{RequestID: m.RequestID, Generation: m.Generation, Outcome: tb.outcome, Landed: tb.landed}
+			if tb.recheck && !tb.rechecking && e.startBackground() {
+				// The owner asks again after a cut ACK: it waits for a
+				// drained one, which the paths may confirm by now.
+				tb.rechecking = true
+				go e.recheckDrain(k, tb.minGen, from)
+			}
 		} else {
 			tb.owed, tb.ackTo = true, from
 		}

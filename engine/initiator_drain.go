@@ -87,8 +87,9 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 		}
 		e.waitFinal(tasks, time.Now().Add(e.opts.AbortDrainTimeout))
 	}
+	recheck := false
 	if outcome == control.AckDrained && !e.drainPaths(k) {
-		outcome = control.AckCut
+		outcome, recheck = control.AckCut, true
 	}
 	var landed uint64
 	for _, t := range tasks {
@@ -98,7 +99,7 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 	tb := e.tombOf(k)
 	owed, to := false, k.owner
 	if tb != nil && tb.minGen == gen {
-		tb.drained, tb.outcome, tb.landed = true, outcome, landed
+		tb.drained, tb.outcome, tb.landed, tb.recheck = true, outcome, landed, recheck
 		owed, tb.owed = tb.owed, false
 		if tb.ackTo != "" {
 			to = tb.ackTo
@@ -108,6 +109,35 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 	if !e.opts.Testing.UnsafeAbort && owed {
 		e.sendAck(to, control.AbortAck{RequestID: k.rid, Generation: gen, Outcome: outcome, Landed: landed})
 	}
+}
+
+// recheckDrain asks the paths again whether the work of an aborted
+// request, whose drain ended cut only because a path could not confirm it
+// yet, is drained now (a broken rdma path's reconnect settles its flushed
+// work: the owner cut the responder QP it was posted to). If so the
+// tombstone says drained from now on and the owner, which resent its ABORT
+// because it waits for a drained ACK, gets one. The cut ACK went out at
+// once all the same: an owner that fences by itself needs no more, and
+// must not wait for this.
+func (e *Engine) recheckDrain(k tombKey, gen uint32, to string) {
+	defer e.bg.Done()
+	ok := e.drainPaths(k)
+	e.abortMu.Lock()
+	tb := e.tombOf(k)
+	if tb == nil || tb.minGen != gen || !tb.drained {
+		e.abortMu.Unlock()
+		return
+	}
+	tb.rechecking = false
+	if !ok {
+		e.abortMu.Unlock()
+		return
+	}
+	tb.outcome, tb.recheck = control.AckDrained, false
+	ack := control.AbortAck{RequestID: k.rid, Generation: gen, Outcome: control.AckDrained, Landed: tb.landed}
+	e.abortMu.Unlock()
+	e.stats.drainRechecked.Add(1)
+	e.sendAck(to, ack)
 }
 
 // pathsToDrain returns the paths to the owner, among segs, that may still

@@ -22,6 +22,12 @@ type tombstone struct {
 	landed  uint64
 	owed    bool   // an ABORT was heard: the drain's end answers it (and its duplicates)
 	ackTo   string // the name the owed ABORT came from, which its ACK goes back to
+	// recheck: the outcome is cut only because a path could not yet
+	// confirm the request's work (a broken NIC path whose QP the owner
+	// had not replaced yet), every task having ended: a duplicate ABORT
+	// asks the paths again, and a drained ACK follows once they confirm.
+	recheck    bool
+	rechecking bool // a recheck runs (one at a time)
 }
 
 // MaxTombstoneOwners caps the owners an initiator remembers tombstones

@@ -336,6 +336,7 @@ func (c engineCollector) Collect(ch chan<- prometheus.Metric) {
 	counter("kvferry_abort_resends_total", s.AbortResends)
 	counter("kvferry_aborts_received_total", s.AbortsReceived)
 	counter("kvferry_abort_acks_sent_total", s.AbortAcksSent)
+	counter("kvferry_drains_rechecked_total", s.DrainsRechecked)
 	counter("kvferry_aborts_dropped_total", s.AbortsDropped)
 	counter("kvferry_fence_acks_total", s.FenceAcks, "result", "matched")
 	counter("kvferry_fence_acks_total", s.FenceAcksUnmatched, "result", "unmatched")
@@ -484,6 +485,7 @@ var metricHelp = map[string]string{
 	"kvferry_abort_resends_total":            "ABORTs sent again for want of an ACK.",
 	"kvferry_aborts_received_total":          "ABORTs received as initiator.",
 	"kvferry_abort_acks_sent_total":          "ABORT_ACKs sent as initiator (drained).",
+	"kvferry_drains_rechecked_total":         "Aborted requests ACKed cut while a broken rdma path could not confirm their work, then ACKed drained once its reconnect did.",
 	"kvferry_aborts_dropped_total":           "ABORTs dropped unanswered for want of room (the owner resends them).",
 	"kvferry_fence_acks_total":               "FENCE_ACKs received, by whether they answered a fence.",
 	"kvferry_fences_received_total":          "FENCE notices received as initiator.",

@@ -87,6 +87,7 @@ type Stats struct {
 	// Aborts, as initiator.
 	AbortsReceived      uint64 // ABORT messages received (duplicates too)
 	AbortAcksSent       uint64 // ABORT_ACKs handed to the control plane (dropped there when no connection to the owner exists)
+	DrainsRechecked     uint64 // aborted requests first ACKed cut because a broken path could not confirm their work, then ACKed drained once it did
 	TasksAborted        uint64 // tasks that ended ABORTED
 	InitiatorTombstones int    // request ids we know aborted by their owner
 	TombstoneOwners     int    // owners we hold tombstones of (at most MaxTombstoneOwners)
@@ -174,7 +175,7 @@ func (e *Engine) Stats() Stats {
 		AbortAcks: e.stats.abortAcks.Load(), AcksUnmatched: e.stats.acksUnmatched.Load(),
 		AbortResends: e.stats.abortResends.Load(), Tombstones: rs.Tombstones, Grants: rs.Grants,
 		RequestStates: e.reqs.Len(), TombstonesEvict: uint64(rs.Evicted),
-		AbortsReceived: e.stats.abortsReceived.Load(), AbortAcksSent: e.stats.acksSent.Load(), TasksAborted: e.stats.tasksAborted.Load(),
+		AbortsReceived: e.stats.abortsReceived.Load(), AbortAcksSent: e.stats.acksSent.Load(), DrainsRechecked: e.stats.drainRechecked.Load(), TasksAborted: e.stats.tasksAborted.Load(),
 		InitiatorTombstones: ntomb, TombstoneOwners: nowners, EventsDropped: e.stats.eventsDropped.Load(),
 		AbortsDropped: e.stats.abortsDropped.Load(), TombstoneOwnersForgotten: e.stats.tombOwnersForgotten.Load(),
 		Notifications: e.stats.notifications.Load(), CanceledDropped: e.stats.canceledDropped.Load(),

@@ -46,9 +46,13 @@ func (e *Endpoint) breakPair(p *pair, cause error) {
 }
 
 // reset reconnects a failed pair: its QP goes to error, every request on it
-// completes (flushed), and a new QP is connected in its slot.
+// completes (flushed), and a new QP is connected in its slot. The owner's
+// answer to that connect says the responder QPs of the slot are cut, which
+// settles the work flushed on the QPs replaced (markUnsettled); a path
+// that dies first leaves that work uncertain.
 func (e *Endpoint) reset(p *pair) {
 	defer e.resets.Done()
+	var replaced []*verbs.QP
 	e.mu.Lock()
 	qp := p.qp
 	e.mu.Unlock()
@@ -85,13 +89,18 @@ func (e *Endpoint) reset(p *pair) {
 		}
 		if e.dead {
 			p.resetting = false
+			if p.qp != nil {
+				replaced = append(replaced, p.qp)
+			}
 			e.mu.Unlock()
+			e.t.settle(replaced, false)
 			return
 		}
 		old := p.qp
 		p.qp = nil
 		e.mu.Unlock()
 		if old != nil {
+			replaced = append(replaced, old)
 			_ = old.Destroy()
 		}
 		ctx, cancel := context.WithTimeout(e.ctx, e.t.opts.RequestTimeout)
@@ -114,6 +123,7 @@ func (e *Endpoint) reset(p *pair) {
 			p.resetting = false
 			e.cond.Broadcast()
 			e.mu.Unlock()
+			e.t.settle(replaced, true)
 			return
 		}
 		e.t.log.Debug("kvferry: rdma reconnect failed; retrying", "peer", e.peer, "nic", p.nic.Name, "err", err)
@@ -153,8 +163,16 @@ func (e *Endpoint) completed(c *wrCtx, status uint32, text string) {
 		default:
 			// Flushed or timed out: the path is broken, and the bytes
 			// of this request may or may not have landed (or land
-			// later): no drain of it can be promised from now on.
-			e.t.markUncertain(e.peer, w.s.RequestID)
+			// later): no drain of it can be promised until the owner
+			// has cut the responder QP this was posted to (the reset's
+			// reconnect of the slot does that), or at all if the path
+			// dies first. p.qp is still the QP it was posted on: a
+			// reset replaces it only once all its work completed.
+			if e.dead || p.qp == nil {
+				e.t.markUncertain(e.peer, w.s.RequestID)
+			} else {
+				e.t.markUnsettled(e.peer, w.s.RequestID, p.qp)
+			}
 			if e.dead {
 				if w.final == nil {
 					w.final = fmt.Errorf("%w: %w", e.deadErr, err)

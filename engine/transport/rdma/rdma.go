@@ -139,6 +139,10 @@ type Transport struct {
 	uncMu     sync.Mutex
 	uncertain *bounded.Set[uncertainKey, struct{}]
 	uncAll    time.Time // past its cap, every request counts as uncertain until then
+	// unsettled holds, per (peer, request), the broken QPs whose flushed
+	// work of the request awaits the owner's replacement of their
+	// responder QPs: uncertain until then (see markUnsettled).
+	unsettled map[uncertainKey]map[*verbs.QP]struct{}
 
 	// Dial, Serve and disconnects in progress, and live endpoints: Close
 	// waits for the first and aborts the second before freeing NICs.
@@ -257,7 +261,7 @@ func New(opts Options) (*Transport, error) {
 	t := &Transport{
 		opts: opts, log: opts.Logger, lib: lib, mrs: map[memory.Key]*regMRs{},
 		wrs: map[uint64]*wrCtx{}, conns: map[string]map[uint64]*respConn{}, closed: make(chan struct{}),
-		uncertain: newUncertainSet(nil), eps: map[*Endpoint]struct{}{}, holds: newHolders(),
+		uncertain: newUncertainSet(nil), unsettled: map[uncertainKey]map[*verbs.QP]struct{}{}, eps: map[*Endpoint]struct{}{}, holds: newHolders(),
 	}
 	devs, err := lib.Devices()
 	if err != nil {
