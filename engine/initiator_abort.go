@@ -3,6 +3,7 @@ package engine
 import (
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/kvferry/kvferry/engine/control"
 	"github.com/kvferry/kvferry/engine/transport"
@@ -54,7 +55,7 @@ func (e *Engine) handleAbort(from string, body []byte) (control.MsgType, []byte)
 				// The owner asks again after a cut ACK: it waits for a
 				// drained one, which the paths may confirm by now.
 				tb.rechecking = true
-				go e.recheckDrain(k, tb.minGen, from)
+				go e.recheckDrain(k, tb, tb.minGen, m.Generation, slices.Clone(tb.names), from)
 			}
 		} else {
 			tb.owed, tb.ackTo = true, from
@@ -99,7 +100,7 @@ func (e *Engine) beginAbortLocked(k tombKey, gen uint32, ackTo string) (tasks []
 	segs := e.segmentsKnownAs(k.owner)
 	quick := false
 	if len(tasks) == 0 {
-		drainers, uncertain := e.pathsToDrain(k, segs)
+		drainers, uncertain := e.pathsToDrain(k, segs, nil)
 		quick = len(drainers) == 0 && !uncertain
 	}
 	if !quick {
@@ -119,6 +120,9 @@ func (e *Engine) beginAbortLocked(k tombKey, gen uint32, ackTo string) (tasks []
 		e.renewTomb(k, tb)
 	}
 	tb.minGen, tb.drained, tb.owed, tb.ackTo = gen, false, ackTo != "", ackTo
+	// A recheck of an older generation may still run: it finds minGen
+	// moved and changes nothing.
+	tb.recheck, tb.rechecking, tb.names = false, false, nil
 	if quick {
 		tb.drained, tb.outcome, tb.landed, tb.owed = true, control.AckDrained, 0, false
 		return nil, true, true

@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/kvferry/kvferry/engine/control"
@@ -88,8 +89,12 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 		e.waitFinal(tasks, time.Now().Add(e.opts.AbortDrainTimeout))
 	}
 	recheck := false
-	if outcome == control.AckDrained && !e.drainPaths(k) {
-		outcome, recheck = control.AckCut, true
+	var names []string
+	if outcome == control.AckDrained {
+		var ok bool
+		if ok, names = e.drainPaths(k, nil); !ok {
+			outcome, recheck = control.AckCut, true
+		}
 	}
 	var landed uint64
 	for _, t := range tasks {
@@ -100,6 +105,9 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 	owed, to := false, k.owner
 	if tb != nil && tb.minGen == gen {
 		tb.drained, tb.outcome, tb.landed, tb.recheck = true, outcome, landed, recheck
+		if recheck {
+			tb.names = names
+		}
 		owed, tb.owed = tb.owed, false
 		if tb.ackTo != "" {
 			to = tb.ackTo
@@ -116,25 +124,26 @@ func (e *Engine) drain(k tombKey, gen uint32, tasks []*task) {
 // yet, is drained now (a broken rdma path's reconnect settles its flushed
 // work: the owner cut the responder QP it was posted to). If so the
 // tombstone says drained from now on and the owner, which resent its ABORT
-// because it waits for a drained ACK, gets one. The cut ACK went out at
-// once all the same: an owner that fences by itself needs no more, and
-// must not wait for this.
-func (e *Engine) recheckDrain(k tombKey, gen uint32, to string) {
+// because it waits for a drained ACK, gets one for the generation it asked
+// about (ackGen). The cut ACK went out at once all the same: an owner that
+// fences by itself needs no more, and must not wait for this. tb is the
+// tombstone it was started for, at minGen gen; names are the names the
+// drain found the owner's paths under, asked again even if their segments
+// closed since (a path's marks outlive it).
+func (e *Engine) recheckDrain(k tombKey, tb *tombstone, gen, ackGen uint32, names []string, to string) {
 	defer e.bg.Done()
-	ok := e.drainPaths(k)
+	ok, _ := e.drainPaths(k, names)
 	e.abortMu.Lock()
-	tb := e.tombOf(k)
-	if tb == nil || tb.minGen != gen || !tb.drained {
+	cur := e.tombOf(k) == tb && tb.minGen == gen
+	if cur {
+		tb.rechecking = false
+	}
+	if !cur || !ok || !tb.drained || !tb.recheck {
 		e.abortMu.Unlock()
 		return
 	}
-	tb.rechecking = false
-	if !ok {
-		e.abortMu.Unlock()
-		return
-	}
-	tb.outcome, tb.recheck = control.AckDrained, false
-	ack := control.AbortAck{RequestID: k.rid, Generation: gen, Outcome: control.AckDrained, Landed: tb.landed}
+	tb.outcome, tb.recheck, tb.names = control.AckDrained, false, nil
+	ack := control.AbortAck{RequestID: k.rid, Generation: ackGen, Outcome: control.AckDrained, Landed: tb.landed}
 	e.abortMu.Unlock()
 	e.stats.drainRechecked.Add(1)
 	e.sendAck(to, ack)
@@ -145,13 +154,18 @@ func (e *Engine) recheckDrain(k tombKey, gen uint32, to string) {
 // whether some path, perhaps one replaced or closed since, lost work of the
 // request without the owner's answer: it may still land. Paths of tcp and
 // local have nothing to drain once their slices ended. It never blocks.
-func (e *Engine) pathsToDrain(k tombKey, segs []*Segment) (drainers []transport.Drainer, uncertain bool) {
+func (e *Engine) pathsToDrain(k tombKey, segs []*Segment, also []string) (drainers []transport.Drainer, uncertain bool) {
 	for _, a := range e.servers() {
 		if a.uncertain == nil {
 			continue
 		}
 		if a.uncertain.Uncertain(k.owner, k.rid) {
 			return nil, true
+		}
+		for _, name := range also {
+			if a.uncertain.Uncertain(name, k.rid) {
+				return nil, true
+			}
 		}
 		for _, seg := range segs {
 			if a.uncertain.Uncertain(seg.name, k.rid) {
@@ -176,25 +190,33 @@ func (e *Engine) pathsToDrain(k tombKey, segs []*Segment) (drainers []transport.
 
 // drainPaths asks every path to the owner that may still move bytes of
 // ended slices to finish or flush the request's work; it reports whether
-// all did.
-func (e *Engine) drainPaths(k tombKey) bool {
-	drainers, uncertain := e.pathsToDrain(k, e.segmentsKnownAs(k.owner))
+// all did, and the names it found the owner's segments under (also: names
+// to ask about besides, those of segments that may have closed since).
+func (e *Engine) drainPaths(k tombKey, also []string) (ok bool, names []string) {
+	segs := e.segmentsKnownAs(k.owner)
+	names = append(names, also...)
+	for _, seg := range segs {
+		if !slices.Contains(names, seg.name) {
+			names = append(names, seg.name)
+		}
+	}
+	drainers, uncertain := e.pathsToDrain(k, segs, also)
 	if uncertain {
-		return false
+		return false, names
 	}
 	if len(drainers) == 0 {
-		return true
+		return true, names
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), e.opts.AbortDrainTimeout)
 	defer cancel()
-	ok := true
+	ok = true
 	for _, d := range drainers {
 		if err := d.Drain(ctx, k.rid); err != nil {
 			e.peerWarn("drain", k.owner, "kvferry: drain failed; the ACK says cut", "owner", k.owner, "request", k.rid, "err", err)
 			ok = false
 		}
 	}
-	return ok
+	return ok, names
 }
 
 // sendAck answers an ABORT over a connection that exists (the one it came

@@ -27,7 +27,8 @@ type tombstone struct {
 	// had not replaced yet), every task having ended: a duplicate ABORT
 	// asks the paths again, and a drained ACK follows once they confirm.
 	recheck    bool
-	rechecking bool // a recheck runs (one at a time)
+	rechecking bool     // a recheck runs (one at a time)
+	names      []string // the names the owner's paths were found under, asked again by a recheck
 }
 
 // MaxTombstoneOwners caps the owners an initiator remembers tombstones
