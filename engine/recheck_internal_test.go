@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvferry/kvferry/engine/control"
+	"github.com/kvferry/kvferry/engine/transport/transporttest"
 )
 
 // steeredUncertain is an uncertainty tracker whose answer the test sets
@@ -81,17 +82,11 @@ func (r *recheckEngine) state(k tombKey) (s tombState) {
 
 func (r *recheckEngine) waitState(k tombKey, what string, ok func(tombState) bool) tombState {
 	r.t.Helper()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		s := r.state(k)
-		if ok(s) {
-			return s
-		}
-		if time.Now().After(deadline) {
-			r.t.Fatalf("%s: not within 5 s; tombstone %+v, rechecks %d", what, s, r.e.Stats().DrainsRechecked)
-		}
-		time.Sleep(time.Millisecond)
+	var s tombState
+	if !transporttest.WaitFor(5*time.Second, func() bool { s = r.state(k); return ok(s) }) {
+		r.t.Fatalf("%s: not within 5 s; tombstone %+v, rechecks %d", what, s, r.e.Stats().DrainsRechecked)
 	}
+	return s
 }
 
 // A recheck started for generation 1 that ends after the owner aborted

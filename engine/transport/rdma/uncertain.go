@@ -42,8 +42,13 @@ func (t *Transport) markUncertain(peer string, rid uint64) {
 	now := t.uncertain.Now()
 	t.uncMu.Lock()
 	defer t.uncMu.Unlock()
+	t.markUncertainLocked(uncertainKey{peer, rid}, now)
+}
+
+// markUncertainLocked is markUncertain with uncMu held.
+func (t *Transport) markUncertainLocked(k uncertainKey, now time.Time) {
 	t.uncertain.Expire(now)
-	if !t.uncertain.Put(uncertainKey{peer, rid}, struct{}{}) {
+	if !t.uncertain.Put(k, struct{}{}) {
 		t.uncAll = now.Add(uncertainTTL)
 	}
 }
@@ -87,10 +92,7 @@ func (t *Transport) settle(qps []*verbs.QP, replaced bool) {
 			}
 		}
 		if hit && !replaced {
-			t.uncertain.Expire(now)
-			if !t.uncertain.Put(k, struct{}{}) {
-				t.uncAll = now.Add(uncertainTTL)
-			}
+			t.markUncertainLocked(k, now)
 		}
 		if len(qs) == 0 {
 			delete(t.unsettled, k)
